@@ -1,0 +1,173 @@
+"""Plain-jnp paged attention: the CPU fast path and the oracle for every Pallas kernel.
+
+One vocabulary and argument order for every attention function in paxkv:
+
+    q, k_pages, v_pages, block_tables, lengths
+
+with one layer's pages laid out ``[num_pages, num_kv_heads, page_size, head_dim]`` so each
+(page, kv-head) tile is one contiguous ``[page_size, head_dim]`` slab.
+
+Sequence ``b`` holds ``lengths[b]`` tokens; token ``p`` lives in page
+``block_tables[b, p // page_size]`` at slot ``p % page_size``::
+
+    logical blocks        block table row b        physical pages (one pool)
+    [tok 0..15 ] -------> block_tables[b, 0] = 7 -> k_pages[7]
+    [tok 16..31] -------> block_tables[b, 1] = 2 -> k_pages[2]
+    [tok 32..40] -------> block_tables[b, 2] = 9 -> k_pages[9]   (partly filled)
+                          block_tables[b, 3:] = padding (never read: masked by lengths)
+
+Everything past ``lengths[b]`` is masked with ``where`` (never multiplied by zero), so NaN in free
+pages or behind table padding cannot reach an output. Softmax and both contractions accumulate
+in float32 whatever the storage dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = float("-inf")
+
+
+def attend_blocks(
+    q: jax.Array,
+    k_blocks: jax.Array,
+    v_blocks: jax.Array,
+    q_positions: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float,
+    logit_soft_cap: float | None = None,
+) -> jax.Array:
+    """Masked causal GQA attention over KV already laid out in blocks.
+
+    Args:
+      q: ``[batch, q_len, num_q_heads, head_dim]``.
+      k_blocks, v_blocks: ``[batch, num_blocks, num_kv_heads, block_size, head_dim]``: key
+        position ``m * block_size + s`` is ``k_blocks[:, m, :, s]``. Paged KV arrives here as
+        gathered pages; a dense cache ``[batch, kv_heads, max_len, head_dim]`` is one block.
+      q_positions: int32 ``[batch, q_len]``: absolute position of each query (causal mask).
+        A query with a negative position is padding and yields zeros.
+      lengths: int32 ``[batch]``: keys at positions ``>= lengths`` are never read.
+
+    Returns:
+      ``[batch, q_len, num_q_heads, head_dim]`` in ``q.dtype``; rows with nothing to attend
+      to (length 0, padding queries) are zero.
+    """
+    batch, q_len, num_q_heads, head_dim = q.shape
+    _, num_blocks, num_kv_heads, block_size, _ = k_blocks.shape
+    group = num_q_heads // num_kv_heads
+    q_grouped = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+
+    key_pos = (jnp.arange(num_blocks)[:, None] * block_size + jnp.arange(block_size)[None, :])
+    key_live = key_pos[None] < lengths[:, None, None]  # [b, m, s]
+    # [b, t, m, s]: a query sees live keys at or before its own position.
+    visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
+    visible &= (q_positions >= 0)[:, :, None, None]
+
+    scores = jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
+                        preferred_element_type=jnp.float32) * sm_scale
+    if logit_soft_cap is not None:
+        scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
+    scores = jnp.where(visible[:, :, None, None], scores, _NEG_INF)
+    row_max = jnp.max(scores, axis=(-2, -1), keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.exp(scores - row_max)  # exp(-inf) = 0 for masked keys
+    denom = jnp.sum(probs, axis=(-2, -1), keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    # Zero masked values too: 0 * NaN would still be NaN.
+    v_live = jnp.where(key_live[:, :, None, :, None], v_blocks, jnp.zeros((), v_blocks.dtype))
+    out = jnp.einsum("btkgms,bmksd->btkgd", probs.astype(v_blocks.dtype), v_live,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
+
+
+def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """``[num_pages, kv_heads, page_size, head_dim]`` x ``[batch, max_pages]`` ->
+    ``[batch, max_pages, kv_heads, page_size, head_dim]``."""
+    return jnp.take(pages, block_tables, axis=0, mode="clip")
+
+
+def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
+    return head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+
+
+def paged_prefill_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    query_lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    logit_soft_cap: float | None = None,
+) -> jax.Array:
+    """Ragged multi-token queries over paged context (chunked prefill, cached prefixes).
+
+    Args:
+      q: ``[batch, max_q_len, num_q_heads, head_dim]``; sequence ``b``'s queries are its last
+        ``query_lengths[b]`` tokens, so query ``t`` sits at position
+        ``lengths[b] - query_lengths[b] + t`` and sees every cached token before it.
+      k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]``.
+      block_tables: int32 ``[batch, max_pages_per_seq]``.
+      lengths: int32 ``[batch]``: tokens in context, the queries' own included.
+      query_lengths: int32 ``[batch]``, ``<= min(lengths, max_q_len)``.
+
+    Returns:
+      ``[batch, max_q_len, num_q_heads, head_dim]``; queries ``t >= query_lengths[b]`` are zero.
+    """
+    t = jnp.arange(q.shape[1])[None, :]
+    q_positions = lengths[:, None] - query_lengths[:, None] + t
+    q_positions = jnp.where(t < query_lengths[:, None], q_positions, -1)
+    return attend_blocks(
+        q, gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables),
+        q_positions, lengths, sm_scale=default_sm_scale(q.shape[-1], sm_scale),
+        logit_soft_cap=logit_soft_cap)
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    logit_soft_cap: float | None = None,
+) -> jax.Array:
+    """One query token per sequence attending to its ``lengths[b]`` cached tokens.
+
+    Args:
+      q: ``[batch, num_q_heads, head_dim]``.
+      k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]``.
+      block_tables: int32 ``[batch, max_pages_per_seq]``.
+      lengths: int32 ``[batch]``; a length-0 sequence yields zeros.
+
+    Returns:
+      ``[batch, num_q_heads, head_dim]`` in ``q.dtype``.
+    """
+    out = paged_prefill_attention_reference(
+        q[:, None], k_pages, v_pages, block_tables, lengths, jnp.minimum(lengths, 1),
+        sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
+    return out[:, 0]
+
+
+def dense_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    query_lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """The dense twin: ``k``/``v`` ``[batch, num_kv_heads, max_len, head_dim]`` per sequence.
+
+    Same query convention as :func:`paged_prefill_attention_reference`; no gather at all.
+    """
+    t = jnp.arange(q.shape[1])[None, :]
+    q_positions = lengths[:, None] - query_lengths[:, None] + t
+    q_positions = jnp.where(t < query_lengths[:, None], q_positions, -1)
+    return attend_blocks(q, k[:, None], v[:, None], q_positions, lengths,
+                         sm_scale=default_sm_scale(q.shape[-1], sm_scale))
