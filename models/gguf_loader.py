@@ -1,0 +1,164 @@
+"""Reads a llama.cpp GGUF file: config from metadata, weights dequantised to float32.
+
+Weights are dequantised one tensor at a time (``gguf.quants.dequantize``) straight into the
+stacked param tree, so a quantised file never sits in memory as float32 twice.
+
+llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` (llama arch only) so its RoPE
+can rotate adjacent pairs; we undo that here and use HF's rotate-half RoPE, so GGUF and HF
+checkpoints share one model. Per head, GGUF row ``2i + j`` is HF row ``j * Dh/2 + i``::
+
+    GGUF rows of one head: r0 i0 r0' ... (pairs)    HF rows: r0 r1 ... | r0' r1' ...
+    w.reshape(heads, Dh/2, 2, in).swapaxes(1, 2).reshape(heads * Dh, in)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import LlamaConfig
+from models.params import Params, build_params
+
+SUPPORTED_TYPES = frozenset({
+    gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.Q8_0,
+    gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+    gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K,
+})
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+_LAYER_NAMES = {
+    "input_norm": "attn_norm.weight", "post_attn_norm": "ffn_norm.weight",
+    "q_proj": "attn_q.weight", "k_proj": "attn_k.weight", "v_proj": "attn_v.weight",
+    "o_proj": "attn_output.weight", "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight",
+    "down_proj": "ffn_down.weight", "q_proj.bias": "attn_q.bias", "k_proj.bias": "attn_k.bias",
+    "v_proj.bias": "attn_v.bias",
+}
+_GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
+                 "lm_head": "output.weight"}
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """Parses the header and tensor index, turning the reader's low-level errors into clear ones.
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: the file is not GGUF, or is truncated or corrupt (names the file and why).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path!r}")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path!r} is not a GGUF file: it starts with {magic!r}, not b'GGUF' "
+                         f"({size} bytes)")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, MemoryError) as e:
+        raise ValueError(f"{path!r} is truncated or corrupt ({size} bytes): the GGUF header or "
+                         f"tensor index cannot be parsed ({type(e).__name__}: {e})") from e
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise ValueError(f"{path!r} is truncated: tensor {t.name!r} needs bytes up to {end} "
+                             f"but the file has {size}")
+    return reader
+
+
+def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """One metadata value as a Python scalar, string or list (``default`` when absent)."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: gguf.GGUFReader, path: str = "<gguf>") -> LlamaConfig:
+    """Builds the :class:`LlamaConfig` from ``{arch}.*`` and ``tokenizer.ggml.*`` metadata."""
+    arch = metadata(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path!r}: architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def need(key: str) -> Any:
+        value = metadata(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{path!r} is missing metadata key {arch}.{key!s}")
+        return value
+
+    scaling = metadata(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"{path!r}: RoPE scaling type {scaling!r} is not supported")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path!r} has no token_embd.weight tensor")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    freqs = tensors.get("rope_freqs.weight")
+    eos = [metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return LlamaConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(metadata(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(metadata(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_freq_factors=None if freqs is None else tuple(float(x) for x in _dequantize(freqs)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 4096)),
+        bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+    )
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    if t.tensor_type not in SUPPORTED_TYPES:
+        raise ValueError(f"tensor {t.name!r} has type {t.tensor_type.name}, which paxkv cannot "
+                         f"dequantise (supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation: ``[heads*Dh, ...]`` -> same shape, HF order."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(name: str) -> str:
+    """``"layers.3.q_proj"`` -> ``"blk.3.attn_q.weight"``; ``"embed"`` -> ``"token_embd.weight"``."""
+    if name.startswith("layers."):
+        _, layer, short = name.split(".", 2)
+        return f"blk.{layer}.{_LAYER_NAMES[short]}"
+    return _GLOBAL_NAMES[name]
+
+
+def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32
+              ) -> tuple[LlamaConfig, Params, gguf.GGUFReader]:
+    """``path`` -> (config, params cast to ``dtype``, the open reader for the tokenizer)."""
+    path = os.fspath(path)
+    reader = open_gguf(path)
+    config = config_from_gguf(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    bad = [t for t in reader.tensors if t.tensor_type not in SUPPORTED_TYPES]
+    if bad:
+        _dequantize(bad[0])
+    permuted = metadata(reader, "general.architecture") == "llama"
+
+    def fetch(name: str) -> np.ndarray:
+        gguf_name = _gguf_name(name)
+        if gguf_name not in tensors:
+            raise ValueError(f"{path!r} has no tensor {gguf_name!r}")
+        w = _dequantize(tensors[gguf_name])
+        kind = name.split(".")[2] if name.startswith("layers.") else name
+        if permuted and kind in ("q_proj", "k_proj"):
+            w = _unpermute(w, config.num_heads if kind == "q_proj" else config.num_kv_heads)
+        return w
+
+    return config, build_params(config, fetch, dtype), reader

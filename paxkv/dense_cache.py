@@ -1,0 +1,123 @@
+"""The dense twin: ``max_len`` slots reserved per sequence, same protocol as the paged cache.
+
+It exists for comparison: every test and experiment can swap one for the other. Forking
+copies KV rows (what a dense cache must do), and memory is ``max_seqs * max_len`` slots
+whatever the sequences actually hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.reference import attend_blocks, default_sm_scale
+from paxkv.step_info import StepInfo
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseStats:
+    """Reserved vs filled slots of a dense cache."""
+
+    reserved_slots: jax.Array
+    tokens_held: jax.Array
+    waste: jax.Array  # float32: reserved-but-empty slots / reserved slots
+    active_seqs: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths", "active"],
+                   meta_fields=["window"])
+@dataclasses.dataclass(frozen=True)
+class DenseCache:
+    """Per-sequence KV ``[layers, max_seqs, kv_heads, max_len, head_dim]``.
+
+    Attributes:
+      k, v: the caches; lengths: int32 ``[max_seqs]``; active: bool ``[max_seqs]``.
+      window: static bound on the slots attention reads per row (context bucket), or None.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    active: jax.Array
+    window: int | None = None
+
+    @property
+    def max_seqs(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, num_new: jax.Array, *, max_new: int) -> tuple["DenseCache", jax.Array]:
+        """Grows lengths by ``num_new`` where it fits in ``max_len``; ``ok`` per row."""
+        num_new = jnp.asarray(num_new, jnp.int32)
+        new_len = self.lengths + num_new
+        ok = (num_new >= 0) & (num_new <= max_new) & (new_len <= self.max_len)
+        return dataclasses.replace(
+            self, lengths=jnp.where(ok, new_len, self.lengths),
+            active=self.active | (ok & (num_new > 0))), ok
+
+    def release(self, rows: jax.Array) -> tuple["DenseCache", jax.Array]:
+        ok = jnp.asarray(rows, bool) & self.active
+        return dataclasses.replace(self, lengths=jnp.where(ok, 0, self.lengths),
+                                   active=self.active & ~ok), ok
+
+    def fork(self, parents: jax.Array, children: jax.Array) -> tuple["DenseCache", jax.Array]:
+        """Copies each parent's KV row into its child (every layer, all ``max_len`` slots)."""
+        parents = jnp.asarray(parents, jnp.int32)
+        children = jnp.asarray(children, jnp.int32)
+        s = self.max_seqs
+        in_range = (parents >= 0) & (parents < s) & (children >= 0) & (children < s)
+        p, c = jnp.clip(parents, 0, s - 1), jnp.clip(children, 0, s - 1)
+        uses = jnp.zeros((s,), jnp.int32).at[jnp.where(in_range, c, s)].add(1, mode="drop")
+        ok = in_range & self.active[p] & ~self.active[c] & (uses[c] == 1)
+        target = jnp.where(ok, c, s)
+        return dataclasses.replace(
+            self, k=self.k.at[:, target].set(self.k[:, p], mode="drop"),
+            v=self.v.at[:, target].set(self.v[:, p], mode="drop"),
+            lengths=self.lengths.at[target].set(self.lengths[p], mode="drop"),
+            active=self.active.at[target].set(True, mode="drop")), ok
+
+    def with_window(self, max_tokens: int | None) -> "DenseCache":
+        return dataclasses.replace(
+            self, window=None if max_tokens is None else min(self.max_len, max_tokens))
+
+    def stats(self) -> DenseStats:
+        reserved = jnp.sum(self.active) * self.max_len
+        held = jnp.sum(self.lengths)
+        return DenseStats(reserved_slots=reserved, tokens_held=held,
+                          waste=jnp.where(reserved > 0, 1.0 - held / jnp.maximum(reserved, 1),
+                                          0.0).astype(jnp.float32),
+                          active_seqs=jnp.sum(self.active))
+
+    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               step: StepInfo, *, impl: str = "xla") -> tuple["DenseCache", jax.Array]:
+        """Writes this step's K/V at their positions, then attends (same contract as
+        :meth:`paxkv.paged_cache.PagedCache.attend`)."""
+        del impl  # one implementation: no gather to accelerate
+        b = jnp.arange(self.max_seqs)[:, None]
+        slot = jnp.where(step.positions >= 0, step.positions, self.max_len)  # padding dropped
+        new_k = self.k.at[layer, b, :, slot].set(k.astype(self.k.dtype), mode="drop")
+        new_v = self.v.at[layer, b, :, slot].set(v.astype(self.v.dtype), mode="drop")
+        window = self.max_len if self.window is None else self.window
+        k_ctx = jax.lax.dynamic_index_in_dim(new_k, layer, 0, keepdims=False)[:, :, :window]
+        v_ctx = jax.lax.dynamic_index_in_dim(new_v, layer, 0, keepdims=False)[:, :, :window]
+        out = attend_blocks(q, k_ctx[:, None], v_ctx[:, None], step.positions, step.lengths,
+                            sm_scale=default_sm_scale(q.shape[-1], None))
+        return dataclasses.replace(self, k=new_k, v=new_v), out
+
+
+def create(*, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,
+           dtype: jnp.dtype = jnp.float32, fill: float = 0.0) -> DenseCache:
+    """An empty dense cache reserving ``max_len`` slots for each of ``max_seqs`` rows."""
+    if max_len < 1 or max_seqs < 1:
+        raise ValueError(f"max_len and max_seqs must be >= 1, got {max_len}, {max_seqs}")
+    shape = (num_layers, max_seqs, num_kv_heads, max_len, head_dim)
+    return DenseCache(k=jnp.full(shape, fill, dtype), v=jnp.full(shape, fill, dtype),
+                      lengths=jnp.zeros((max_seqs,), jnp.int32),
+                      active=jnp.zeros((max_seqs,), bool))

@@ -1,0 +1,310 @@
+"""The page table: which physical pages each sequence's logical blocks live in.
+
+Pure, vectorised, jit-able functions over a frozen pytree. Every operation returns a new table
+and a per-sequence ``ok`` flag; a sequence whose operation fails is left bit-identical, and no
+operation raises inside jit. Page ids ``0 .. num_pages-1`` are real; ``num_pages`` is the
+*sentinel* page that table padding points at (it exists in the pool but is never handed out)::
+
+    block_tables [max_seqs, max_pages_per_seq]     ref_counts [num_pages]
+    row 0: [ 4, 1, 7, S, S ]  lengths[0] = 37      page 1: 2  (shared by rows 0 and 2)
+    row 1: [ S, S, S, S, S ]  lengths[1] = 0       page 3: 0  (free)
+    row 2: [ 0, 1, S, S, S ]  lengths[2] = 20      ...
+
+Invariants (checked by the state-machine tests after every operation): a page is free iff its
+ref count is 0; a page's ref count equals the number of table entries pointing at it (plus any
+external holder, such as the prefix index, that took a reference with :func:`retain`);
+an inactive row is all sentinel with length 0; row ``b`` holds exactly
+``ceil(lengths[b] / page_size)`` pages.
+
+Allocation takes free pages in increasing id order with one cumsum over the pool (no per-page
+loops); requests are granted first-come (by row) all-or-nothing per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["block_tables", "lengths", "ref_counts", "active"],
+                   meta_fields=["page_size", "num_pages"])
+@dataclasses.dataclass(frozen=True)
+class PageTable:
+    """Block tables, lengths, ref counts and active rows; sizes are static.
+
+    Attributes:
+      block_tables: int32 ``[max_seqs, max_pages_per_seq]``; padding = ``num_pages`` (sentinel).
+      lengths: int32 ``[max_seqs]``: tokens each sequence holds (reserved slots included).
+      ref_counts: int32 ``[num_pages]``: holders of each page; 0 means free.
+      active: bool ``[max_seqs]``: rows in use.
+      page_size: tokens per page (static).
+      num_pages: real pages in the pool (static); the pool has one more, the sentinel.
+    """
+
+    block_tables: jax.Array
+    lengths: jax.Array
+    ref_counts: jax.Array
+    active: jax.Array
+    page_size: int
+    num_pages: int
+
+    @property
+    def max_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def sentinel(self) -> int:
+        return self.num_pages
+
+    @property
+    def max_len(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+    def pages_held(self) -> jax.Array:
+        """int32 ``[max_seqs]``: pages each row references."""
+        return _cdiv(self.lengths, self.page_size)
+
+
+def create(*, num_pages: int, page_size: int, max_seqs: int,
+           max_pages_per_seq: int) -> PageTable:
+    """An empty table: every page free, every row inactive."""
+    for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                        ("max_seqs", max_seqs), ("max_pages_per_seq", max_pages_per_seq)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return PageTable(
+        block_tables=jnp.full((max_seqs, max_pages_per_seq), num_pages, jnp.int32),
+        lengths=jnp.zeros((max_seqs,), jnp.int32),
+        ref_counts=jnp.zeros((num_pages,), jnp.int32),
+        active=jnp.zeros((max_seqs,), bool),
+        page_size=page_size, num_pages=num_pages)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PoolUpdate:
+    """What the pool must do after a table operation (ids past the pool are no-ops).
+
+    Attributes:
+      fresh_pages: int32 ``[alloc_limit]``: pages just handed out (to scrub before use).
+      copy_src, copy_dst: int32 ``[max_seqs]``: copy-on-write copies, page ``src -> dst``.
+    """
+
+    fresh_pages: jax.Array
+    copy_src: jax.Array
+    copy_dst: jax.Array
+
+
+def _free_page_ids(ref_counts: jax.Array, size: int, fill: int) -> jax.Array:
+    """The first ``size`` free page ids in increasing order, ``fill``-padded (one pass)."""
+    return jnp.nonzero(ref_counts == 0, size=size, fill_value=fill)[0].astype(jnp.int32)
+
+
+def reserve(table: PageTable, num_new: jax.Array, *, max_new: int,
+            cow: jax.Array | None = None) -> tuple[PageTable, PoolUpdate, jax.Array]:
+    """Makes room for ``num_new[b]`` more tokens in each sequence, all-or-nothing per row.
+
+    Before a sequence writes into its partly filled last page while that page is shared
+    (ref count > 1), the page is copied to a fresh one (copy-on-write); the copy is part of the
+    same all-or-nothing request. A successful row with ``num_new > 0`` becomes active.
+
+    Args:
+      table: the page table.
+      num_new: int32 ``[max_seqs]``: tokens to add per row (0 = leave the row alone).
+      max_new: static bound on ``num_new`` (a step's token width); it sizes the allocation
+        buffers, so a decode step (``max_new=1``) allocates through ``max_seqs`` slots.
+      cow: optional bool ``[max_seqs]``: also privatise the shared partial last page of these
+        rows even when ``num_new`` is 0 (that is :func:`copy_on_write`).
+
+    Returns:
+      ``(table, update, ok)``: ``ok`` bool ``[max_seqs]`` is False for rows that asked for
+      more than ``max_new`` tokens, more than their block-table row can hold, or more pages
+      than remain free once earlier rows are served; those rows are unchanged. ``update``
+      lists the fresh pages and the copies the pool must apply (:func:`paxkv.pool.apply`).
+    """
+    ps, oob = table.page_size, table.num_pages + 1
+    num_new = jnp.asarray(num_new, jnp.int32)
+    lengths = table.lengths
+    held = table.pages_held()
+    new_len = lengths + num_new
+    growth = _cdiv(new_len, ps) - held  # [s]
+    last_page = jnp.take_along_axis(
+        table.block_tables, jnp.clip(held - 1, 0)[:, None], axis=1)[:, 0]
+    partial = (lengths % ps != 0) & (held > 0)
+    wants_cow = (num_new > 0) if cow is None else ((num_new > 0) | cow)
+    writes_last = wants_cow & partial
+    refs = jnp.take(table.ref_counts, last_page, mode="fill", fill_value=0)
+    # When every holder of a shared partial page writes in this call and all hold the same
+    # length, the highest row keeps the page and only the others copy (beam search: 4 beams
+    # cost 3 copies, not 4). Equal lengths make this safe even if another holder's copy fails:
+    # the keeper writes at a slot no other holder reads yet.
+    page_or_oob = jnp.where(writes_last, last_page, oob)
+    rows = jnp.arange(table.max_seqs, dtype=jnp.int32)
+    empty = jnp.zeros((table.num_pages,), jnp.int32)
+    writers = empty.at[page_or_oob].add(1, mode="drop")
+    keeper = (empty - 1).at[page_or_oob].max(rows, mode="drop")
+    len_lo = (empty + table.max_len + 1).at[page_or_oob].min(lengths, mode="drop")
+    len_hi = (empty - 1).at[page_or_oob].max(lengths, mode="drop")
+    at_last = functools.partial(jnp.take, indices=last_page, mode="fill", fill_value=-2)
+    all_write = (at_last(writers) == refs) & (at_last(len_lo) == at_last(len_hi))
+    keeps = all_write & (at_last(keeper) == rows)
+    needs_copy = writes_last & (refs > 1) & ~keeps
+    need = growth + needs_copy.astype(jnp.int32)
+
+    fits = (num_new >= 0) & (num_new <= max_new) & (new_len <= table.max_len)
+    alloc_limit = min(table.num_pages, table.max_seqs * (_cdiv(max_new, ps) + 1))
+    free_ids = _free_page_ids(table.ref_counts, alloc_limit, oob)
+    num_free = jnp.minimum(jnp.sum(table.ref_counts == 0), alloc_limit)
+    want = jnp.where(fits, need, 0)
+    ok = fits & (jnp.cumsum(want) <= num_free)
+    granted = jnp.where(ok, need, 0)
+    first_rank = jnp.cumsum(granted) - granted  # [s]: where each row's pages start in free_ids
+    total = jnp.sum(granted)
+
+    # Cell (b, m) receives free_ids[first_rank[b] + k] where k counts the row's new pages:
+    # the copy (if any) takes k = 0 and lands in cell held-1; growth fills cells held.. .
+    m = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :]
+    first_cell = (held - needs_copy.astype(jnp.int32))[:, None]
+    new_cell = ok[:, None] & (m >= first_cell) & (m < first_cell + granted[:, None])
+    rank = first_rank[:, None] + (m - first_cell)
+    block_tables = jnp.where(new_cell, free_ids[jnp.clip(rank, 0, alloc_limit - 1)],
+                             table.block_tables)
+
+    copy_ok = ok & needs_copy
+    copy_src = jnp.where(copy_ok, last_page, oob)
+    copy_dst = jnp.where(copy_ok, free_ids[jnp.clip(first_rank, 0, alloc_limit - 1)], oob)
+    fresh = jnp.where(jnp.arange(alloc_limit) < total, free_ids, oob)
+    ref_counts = (table.ref_counts.at[fresh].add(1, mode="drop")
+                  .at[copy_src].add(-1, mode="drop"))
+    new_table = dataclasses.replace(
+        table, block_tables=block_tables, ref_counts=ref_counts,
+        lengths=jnp.where(ok, new_len, lengths),
+        active=table.active | (ok & (num_new > 0)))
+    return new_table, PoolUpdate(fresh, copy_src, copy_dst), ok
+
+
+def copy_on_write(table: PageTable, rows: jax.Array) -> tuple[PageTable, PoolUpdate, jax.Array]:
+    """Gives each row in ``rows`` (bool ``[max_seqs]``) a private copy of its shared partial
+    last page, so it can write there without disturbing the other holders.
+
+    :func:`reserve` already does this for rows about to write; this is the explicit form.
+    """
+    zeros = jnp.zeros((table.max_seqs,), jnp.int32)
+    return reserve(table, zeros, max_new=0, cow=jnp.asarray(rows, bool))
+
+
+def release(table: PageTable, rows: jax.Array) -> tuple[PageTable, jax.Array]:
+    """Finishes or cancels the rows in ``rows`` (bool ``[max_seqs]``).
+
+    Their pages' ref counts drop at once; a page nobody else holds is free in the returned
+    table. Returns ``(table, ok)`` with ``ok`` True for rows that were active.
+    """
+    rows = jnp.asarray(rows, bool)
+    ok = rows & table.active
+    dropped = jnp.where(ok[:, None], table.block_tables, table.num_pages + 1)
+    ref_counts = table.ref_counts.at[dropped].add(-1, mode="drop")
+    return dataclasses.replace(
+        table, ref_counts=ref_counts,
+        block_tables=jnp.where(ok[:, None], table.sentinel, table.block_tables),
+        lengths=jnp.where(ok, 0, table.lengths),
+        active=table.active & ~ok), ok
+
+
+def fork(table: PageTable, parents: jax.Array, children: jax.Array) -> tuple[PageTable, jax.Array]:
+    """Each ``children[i]`` row becomes a copy of ``parents[i]`` sharing all its pages.
+
+    No KV moves: the child's block-table row points at the parent's pages and their ref counts
+    go up. The shared partial last page is copied later, by whichever holder writes first.
+
+    Args:
+      parents, children: int32 ``[k]`` row ids. A pair fails (``ok[i]`` False) unless the
+        parent is active, the child inactive and named by no other pair.
+
+    Returns:
+      ``(table, ok)`` with ``ok`` bool ``[k]``.
+    """
+    parents = jnp.asarray(parents, jnp.int32)
+    children = jnp.asarray(children, jnp.int32)
+    s = table.max_seqs
+    in_range = (parents >= 0) & (parents < s) & (children >= 0) & (children < s)
+    p = jnp.clip(parents, 0, s - 1)
+    c = jnp.clip(children, 0, s - 1)
+    child_uses = jnp.zeros((s,), jnp.int32).at[jnp.where(in_range, c, s)].add(1, mode="drop")
+    ok = in_range & table.active[p] & ~table.active[c] & (child_uses[c] == 1)
+    target = jnp.where(ok, c, s)  # failed pairs scatter out of range and are dropped
+    block_tables = table.block_tables.at[target].set(table.block_tables[p], mode="drop")
+    shared = jnp.where(ok[:, None], table.block_tables[p], table.num_pages + 1)
+    ref_counts = table.ref_counts.at[shared].add(1, mode="drop")
+    return dataclasses.replace(
+        table, block_tables=block_tables, ref_counts=ref_counts,
+        lengths=table.lengths.at[target].set(table.lengths[p], mode="drop"),
+        active=table.active.at[target].set(True, mode="drop")), ok
+
+
+def retain(table: PageTable, pages: jax.Array, delta: int = 1) -> PageTable:
+    """Adds ``delta`` references to each page in ``pages`` (int32 ``[n]``; ids past the pool are
+    ignored): how an external holder such as a prefix index keeps pages alive."""
+    return dataclasses.replace(
+        table, ref_counts=table.ref_counts.at[pages].add(delta, mode="drop"))
+
+
+def slot_mapping(table: PageTable, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Where each token is stored: positions int32 ``[max_seqs, t]`` (-1 = padding) ->
+    ``(pages, offsets)`` int32 ``[max_seqs, t]``; padding and unreserved positions map to the
+    sentinel page, which nobody reads."""
+    valid = positions >= 0
+    block = jnp.where(valid, positions // table.page_size, 0)
+    pages = jnp.take_along_axis(table.block_tables, jnp.clip(block, 0, table.max_pages_per_seq - 1),
+                                axis=1)
+    reserved = valid & (positions < table.lengths[:, None])
+    pages = jnp.where(reserved, pages, table.sentinel)
+    return pages, jnp.where(valid, positions % table.page_size, 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TableStats:
+    """Pool-wide accounting (all int32 scalars except the fraction)."""
+
+    free_pages: jax.Array
+    used_pages: jax.Array
+    shared_pages: jax.Array
+    tokens_held: jax.Array
+    slots_filled: jax.Array
+    internal_fragmentation: jax.Array  # float32: empty slots in used pages / their slots
+    active_seqs: jax.Array
+
+
+def stats(table: PageTable) -> TableStats:
+    """Free / used / shared pages, tokens held and internal fragmentation.
+
+    ``slots_filled`` counts each physical slot once however many sequences share it, so the
+    fragmentation figure is about memory, not logical tokens.
+    """
+    ps = table.page_size
+    m = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :]
+    fill = jnp.clip(table.lengths[:, None] - m * ps, 0, ps)  # tokens in cell (b, m)
+    page_fill = jnp.zeros((table.num_pages,), jnp.int32).at[table.block_tables].max(
+        fill, mode="drop")
+    used = jnp.sum(table.ref_counts > 0)
+    filled = jnp.sum(page_fill)
+    capacity = used * ps
+    return TableStats(
+        free_pages=table.num_pages - used, used_pages=used,
+        shared_pages=jnp.sum(table.ref_counts > 1),
+        tokens_held=jnp.sum(table.lengths), slots_filled=filled,
+        internal_fragmentation=jnp.where(
+            capacity > 0, 1.0 - filled / jnp.maximum(capacity, 1), 0.0).astype(jnp.float32),
+        active_seqs=jnp.sum(table.active))

@@ -1,0 +1,140 @@
+"""The paged KV cache: a page pool plus a page table, behind the cache protocol.
+
+The model calls :meth:`PagedCache.attend` once per layer; decode loops call ``reserve``,
+``release`` and ``fork``. Every method returns a new cache (and a status where it can fail);
+inside ``jax.jit`` with the cache donated the pool is updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.reference import attend_blocks, default_sm_scale
+from paxkv import page_table as pt
+from paxkv import pool as kv_pool
+from paxkv.step_info import StepInfo
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "table"],
+                   meta_fields=["scrub", "window_pages"])
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    """Paged KV for ``max_seqs`` sequences.
+
+    Attributes:
+      pool: the K/V pages of every layer.
+      table: block tables, lengths, ref counts.
+      scrub: zero pages when they are handed out (static).
+      window_pages: static bound on the pages attention reads per row (a context bucket: the
+        XLA path gathers only this many table columns); None reads the whole row.
+    """
+
+    pool: kv_pool.KVPool
+    table: pt.PageTable
+    scrub: bool = True
+    window_pages: int | None = None
+
+    # -- the cache protocol -------------------------------------------------------------
+    @property
+    def lengths(self) -> jax.Array:
+        return self.table.lengths
+
+    @property
+    def active(self) -> jax.Array:
+        return self.table.active
+
+    @property
+    def max_seqs(self) -> int:
+        return self.table.max_seqs
+
+    @property
+    def max_len(self) -> int:
+        return self.table.max_len
+
+    def reserve(self, num_new: jax.Array, *, max_new: int) -> tuple["PagedCache", jax.Array]:
+        """Room for ``num_new`` int32 ``[max_seqs]`` more tokens; ``ok`` bool ``[max_seqs]``."""
+        table, update, ok = pt.reserve(self.table, num_new, max_new=max_new)
+        pool = kv_pool.apply(self.pool, update, scrub=self.scrub)
+        return dataclasses.replace(self, pool=pool, table=table), ok
+
+    def release(self, rows: jax.Array) -> tuple["PagedCache", jax.Array]:
+        """Frees rows (bool ``[max_seqs]``); their unshared pages are free at once."""
+        table, ok = pt.release(self.table, rows)
+        return dataclasses.replace(self, table=table), ok
+
+    def fork(self, parents: jax.Array, children: jax.Array) -> tuple["PagedCache", jax.Array]:
+        """Children share their parents' pages (no KV copied); ``ok`` bool ``[k]``."""
+        table, ok = pt.fork(self.table, parents, children)
+        return dataclasses.replace(self, table=table), ok
+
+    def with_window(self, max_tokens: int | None) -> "PagedCache":
+        """The same cache, attention reading at most ``max_tokens`` per row (static)."""
+        pages = None if max_tokens is None else min(
+            self.table.max_pages_per_seq, -(-max_tokens // self.table.page_size))
+        return dataclasses.replace(self, window_pages=pages)
+
+    def stats(self) -> pt.TableStats:
+        return pt.stats(self.table)
+
+    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               step: StepInfo, *, impl: str = "xla") -> tuple["PagedCache", jax.Array]:
+        """Writes this step's K/V for ``layer`` into their slots, then attends.
+
+        Args:
+          q: ``[batch, t, num_q_heads, head_dim]``; k, v: ``[batch, t, num_kv_heads, head_dim]``.
+          step: positions of the tokens (``lengths`` must match the table after ``reserve``).
+          impl: "xla" (gather + einsum reference) or "pallas" (the GPU kernels).
+        Returns:
+          ``(cache, out)`` with out ``[batch, t, num_q_heads, head_dim]``.
+        """
+        pages, offsets = pt.slot_mapping(self.table, step.positions)
+        pool = kv_pool.write(self.pool, layer, k, v, pages, offsets)
+        block_tables = self.table.block_tables
+        if self.window_pages is not None:
+            block_tables = block_tables[:, : self.window_pages]
+        if impl == "pallas":
+            out = _pallas_attend(pool, layer, q, block_tables, step)
+        elif impl == "xla":
+            out = attend_blocks(q, pool.k[layer, block_tables], pool.v[layer, block_tables],
+                                step.positions, step.lengths,
+                                sm_scale=default_sm_scale(q.shape[-1], None))
+        else:
+            raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
+        return dataclasses.replace(self, pool=pool), out
+
+
+def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
+                   block_tables: jax.Array, step: StepInfo) -> jax.Array:
+    """Routes to the Pallas decode or prefill kernel (interpret mode off GPU)."""
+    import pallas_kernels  # noqa: PLC0415 - the kernels are optional at import time
+
+    interpret = jax.default_backend() != "gpu"
+    k_pages, v_pages = pool.k[layer], pool.v[layer]
+    if q.shape[1] == 1:
+        out = pallas_kernels.paged_decode_attention(
+            q[:, 0], k_pages, v_pages, block_tables, step.lengths, interpret=interpret)
+        return out[:, None]
+    return pallas_kernels.paged_prefill_attention(
+        q, k_pages, v_pages, block_tables, step.lengths, step.query_lengths,
+        interpret=interpret)
+
+
+def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+           page_size: int, max_seqs: int, max_len: int, dtype: jnp.dtype = jnp.float32,
+           scrub: bool = True, fill: float = 0.0) -> PagedCache:
+    """An empty paged cache of ``num_pages`` pages of ``page_size`` tokens for ``max_seqs``
+    sequences of at most ``max_len`` tokens each."""
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len!r}")
+    max_pages_per_seq = -(-max_len // page_size)
+    table = pt.create(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
+                      max_pages_per_seq=max_pages_per_seq)
+    pool = kv_pool.create(num_layers=num_layers, num_pages=num_pages, num_kv_heads=num_kv_heads,
+                          page_size=page_size, head_dim=head_dim, dtype=dtype, fill=fill)
+    return PagedCache(pool=pool, table=table, scrub=scrub)

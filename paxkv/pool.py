@@ -1,0 +1,77 @@
+"""The physical page pool: every layer's K and V pages in two fixed arrays.
+
+``k`` and ``v`` are ``[num_layers, num_pages + 1, num_kv_heads, page_size, head_dim]``; the
+last page is the sentinel that table padding and dropped writes point at. Each
+(layer, page, kv-head) tile is one contiguous ``[page_size, head_dim]`` slab, the layout every
+attention kernel reads. Nothing here assumes one device: the kv-head and slot axes can carry a
+``jax.sharding`` spec.
+
+All functions return a new pool; under ``jax.jit`` with the pool donated they update in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from paxkv.page_table import PoolUpdate
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    """K and V pages for all layers, ``[layers, num_pages + 1, kv_heads, page_size, head_dim]``."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        """Real pages (the sentinel excluded)."""
+        return self.k.shape[1] - 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def create(*, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int,
+           head_dim: int, dtype: jnp.dtype = jnp.float32, fill: float = 0.0) -> KVPool:
+    """A pool of ``num_pages`` real pages plus the sentinel, filled with ``fill`` (tests use
+    NaN to prove no stray reads)."""
+    shape = (num_layers, num_pages + 1, num_kv_heads, page_size, head_dim)
+    return KVPool(k=jnp.full(shape, fill, dtype), v=jnp.full(shape, fill, dtype))
+
+
+def apply(pool: KVPool, update: PoolUpdate, *, scrub: bool = True) -> KVPool:
+    """Scrubs freshly handed-out pages (so no sequence ever sees another's old data), then
+    performs the copy-on-write copies. Touches only the pages named; ids past the pool are
+    no-ops."""
+    k, v = pool.k, pool.v
+    if scrub:
+        k = k.at[:, update.fresh_pages].set(0, mode="drop")
+        v = v.at[:, update.fresh_pages].set(0, mode="drop")
+    src = jnp.clip(update.copy_src, 0, pool.num_pages)
+    k = k.at[:, update.copy_dst].set(k[:, src], mode="drop")
+    v = v.at[:, update.copy_dst].set(v[:, src], mode="drop")
+    return KVPool(k=k, v=v)
+
+
+def write(pool: KVPool, layer: jax.Array, k_new: jax.Array, v_new: jax.Array,
+          pages: jax.Array, offsets: jax.Array) -> KVPool:
+    """Stores new tokens of one layer.
+
+    Args:
+      layer: int32 scalar.
+      k_new, v_new: ``[batch, t, kv_heads, head_dim]``.
+      pages, offsets: int32 ``[batch, t]`` from :func:`paxkv.page_table.slot_mapping`.
+    """
+    k = pool.k.at[layer, pages, :, offsets].set(k_new.astype(pool.k.dtype))
+    v = pool.v.at[layer, pages, :, offsets].set(v_new.astype(pool.v.dtype))
+    return KVPool(k=k, v=v)
