@@ -100,13 +100,15 @@ class DenseCache:
         """Writes this step's K/V at their positions, then attends (same contract as
         :meth:`paxkv.paged_cache.PagedCache.attend`)."""
         del impl  # one implementation: no gather to accelerate
-        b = jnp.arange(self.max_seqs)[:, None]
+        rows = jnp.arange(self.max_seqs) if step.rows is None else step.rows
         slot = jnp.where(step.positions >= 0, step.positions, self.max_len)  # padding dropped
-        new_k = self.k.at[layer, b, :, slot].set(k.astype(self.k.dtype), mode="drop")
-        new_v = self.v.at[layer, b, :, slot].set(v.astype(self.v.dtype), mode="drop")
+        new_k = self.k.at[layer, rows[:, None], :, slot].set(k.astype(self.k.dtype), mode="drop")
+        new_v = self.v.at[layer, rows[:, None], :, slot].set(v.astype(self.v.dtype), mode="drop")
         window = self.max_len if self.window is None else self.window
         k_ctx = jax.lax.dynamic_index_in_dim(new_k, layer, 0, keepdims=False)[:, :, :window]
         v_ctx = jax.lax.dynamic_index_in_dim(new_v, layer, 0, keepdims=False)[:, :, :window]
+        if step.rows is not None:
+            k_ctx, v_ctx = k_ctx[step.rows], v_ctx[step.rows]
         out = attend_blocks(q, k_ctx[:, None], v_ctx[:, None], step.positions, step.lengths,
                             sm_scale=default_sm_scale(q.shape[-1], None))
         return dataclasses.replace(self, k=new_k, v=new_v), out

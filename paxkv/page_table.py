@@ -260,15 +260,20 @@ def retain(table: PageTable, pages: jax.Array, delta: int = 1) -> PageTable:
         table, ref_counts=table.ref_counts.at[pages].add(delta, mode="drop"))
 
 
-def slot_mapping(table: PageTable, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Where each token is stored: positions int32 ``[max_seqs, t]`` (-1 = padding) ->
-    ``(pages, offsets)`` int32 ``[max_seqs, t]``; padding and unreserved positions map to the
-    sentinel page, which nobody reads."""
+def slot_mapping(table: PageTable, positions: jax.Array,
+                 rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Where each token is stored: positions int32 ``[batch, t]`` (-1 = padding) of table rows
+    ``rows`` (int32 ``[batch]``; None = all rows in order) -> ``(pages, offsets)`` int32
+    ``[batch, t]``; padding and unreserved positions map to the sentinel page, which nobody
+    reads."""
+    block_tables, lengths = table.block_tables, table.lengths
+    if rows is not None:
+        block_tables, lengths = block_tables[rows], lengths[rows]
     valid = positions >= 0
     block = jnp.where(valid, positions // table.page_size, 0)
-    pages = jnp.take_along_axis(table.block_tables, jnp.clip(block, 0, table.max_pages_per_seq - 1),
+    pages = jnp.take_along_axis(block_tables, jnp.clip(block, 0, table.max_pages_per_seq - 1),
                                 axis=1)
-    reserved = valid & (positions < table.lengths[:, None])
+    reserved = valid & (positions < lengths[:, None])
     pages = jnp.where(reserved, pages, table.sentinel)
     return pages, jnp.where(valid, positions % table.page_size, 0)
 

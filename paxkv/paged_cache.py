@@ -91,9 +91,11 @@ class PagedCache:
         Returns:
           ``(cache, out)`` with out ``[batch, t, num_q_heads, head_dim]``.
         """
-        pages, offsets = pt.slot_mapping(self.table, step.positions)
+        pages, offsets = pt.slot_mapping(self.table, step.positions, step.rows)
         pool = kv_pool.write(self.pool, layer, k, v, pages, offsets)
         block_tables = self.table.block_tables
+        if step.rows is not None:
+            block_tables = block_tables[step.rows]
         if self.window_pages is not None:
             block_tables = block_tables[:, : self.window_pages]
         if impl == "pallas":
