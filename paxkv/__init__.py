@@ -1,0 +1,27 @@
+"""paxkv: PagedAttention and KV-cache management for JAX.
+
+The pieces, in the order data flows through them:
+
+* :mod:`paxkv.page_table` — block tables, lengths, ref counts; pure ``reserve`` / ``release`` /
+  ``fork`` / ``copy_on_write`` / ``stats`` that return a new table and a status.
+* :mod:`paxkv.pool` — the fixed K/V page arrays of every layer.
+* :mod:`paxkv.paged_cache` / :mod:`paxkv.dense_cache` — the two caches behind one protocol.
+* :mod:`paxkv.steps` — jitted, donated prefill / decode steps and the compiled decode loop.
+* :mod:`paxkv.engine` / :func:`paxkv.generate` — continuous batching for research loops.
+"""
+
+from paxkv import dense_cache, page_table, paged_cache, pool, steps
+from paxkv.dense_cache import DenseCache
+from paxkv.engine import Engine, GenerationResult
+from paxkv.generate import generate
+from paxkv.paged_cache import PagedCache
+from paxkv.page_table import PageTable, PoolUpdate, TableStats
+from paxkv.pool import KVPool
+from paxkv.sampling import SamplingParams
+from paxkv.step_info import StepInfo
+
+__all__ = [
+    "DenseCache", "Engine", "GenerationResult", "KVPool", "PageTable", "PagedCache",
+    "PoolUpdate", "SamplingParams", "StepInfo", "TableStats", "dense_cache", "generate",
+    "page_table", "paged_cache", "pool", "steps",
+]

@@ -1,0 +1,89 @@
+"""Token sampling: greedy, temperature, top-k and top-p, per row, inside jit.
+
+Each row carries its own settings as arrays, so requests with different settings share one
+compiled step. Each row's randomness comes from ``fold_in(key(seed), position)``: the same
+request draws the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling settings (all ``[batch]``).
+
+    Attributes:
+      temperature: float32; 0 means greedy.
+      top_k: int32; 0 means off.
+      top_p: float32; 1 means off.
+      seed: uint32 key data ``[batch, 2]`` (``jax.random.key_data`` of each row's key).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+
+def validate(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Checks sampling values at the Python boundary, naming what to change."""
+    if not (temperature >= 0.0):
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+
+
+def make_params(batch: int, *, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, seeds: list[int] | None = None) -> SamplingParams:
+    """The same settings for every row; ``seeds`` (one int per row) default to 0."""
+    validate(temperature, top_k, top_p)
+    seeds = [0] * batch if seeds is None else seeds
+    keys = jnp.stack([jax.random.key_data(jax.random.PRNGKey(s)) for s in seeds])
+    return SamplingParams(
+        temperature=jnp.full((batch,), temperature, jnp.float32),
+        top_k=jnp.full((batch,), top_k or 0, jnp.int32),
+        top_p=jnp.full((batch,), 1.0 if top_p is None else top_p, jnp.float32),
+        seed=keys.astype(jnp.uint32))
+
+
+def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature-scaled logits with everything outside top-k / top-p set to -inf."""
+    scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    vocab = logits.shape[-1]
+    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = mass_before < params.top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.maximum(kth, cutoff)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
+    """Next tokens: logits float32 ``[batch, vocab]``, positions int32 ``[batch]`` (the position
+    the token will take, for the key) -> int32 ``[batch]``.
+
+    The sort that top-k / top-p need runs only when some row samples (a ``lax.cond``), so a
+    greedy batch pays for an argmax alone.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        keys = jax.vmap(lambda kd, p: jax.random.fold_in(jax.random.wrap_key_data(kd), p))(
+            params.seed, positions)
+        filtered = _filtered_logits(logits, params)
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        return jnp.where(params.temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)
