@@ -296,7 +296,11 @@ class Engine:
             self._preempt(max(running, key=lambda r: (r.admitted_at, r.row)))
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _sampling_for(self, rows: np.ndarray | None) -> SamplingParams:
+    def _sampling_for(self, rows: np.ndarray | None) -> SamplingParams | None:
+        """Sampling settings of ``rows`` (None = all); None when every row is greedy, so
+        greedy work compiles without the sampling sort."""
+        if not (self._sampling["temperature"] > 0).any():
+            return None
         pick = (lambda a: a) if rows is None else (lambda a: a[rows])
         return SamplingParams(**{k: jnp.asarray(pick(v)) for k, v in self._sampling.items()})
 
@@ -313,6 +317,7 @@ class Engine:
         for r in reqs:
             if r.row is not None:
                 rows[r.row] = True
+                self._sampling["temperature"][r.row] = 0.0  # an idle row is greedy
                 self._rows[r.row], r.row = None, None
         if rows.any():
             self.cache, _ = steps.release_rows(self.cache, jnp.asarray(rows))

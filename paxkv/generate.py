@@ -53,6 +53,8 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]], *, max_new_tokens:
     Returns:
       One :class:`paxkv.engine.GenerationResult` per prompt, in order.
     """
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     ids = _token_ids(lm, prompts)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")

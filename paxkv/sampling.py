@@ -70,14 +70,16 @@ def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
+def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams | None) -> jax.Array:
     """Next tokens: logits float32 ``[batch, vocab]``, positions int32 ``[batch]`` (the position
     the token will take, for the key) -> int32 ``[batch]``.
 
-    The sort that top-k / top-p need runs only when some row samples (a ``lax.cond``), so a
-    greedy batch pays for an argmax alone.
+    ``params=None`` is greedy for every row and compiles to an argmax alone. Otherwise the sort
+    that top-k / top-p need runs only when some row samples (a ``lax.cond``).
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if params is None:
+        return greedy
 
     def draw(_):
         keys = jax.vmap(lambda kd, p: jax.random.fold_in(jax.random.wrap_key_data(kd), p))(

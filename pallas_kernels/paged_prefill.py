@@ -1,0 +1,215 @@
+"""Paged prefill attention: ragged multi-token queries, causal over paged context (Mosaic GPU).
+
+Sequence ``b`` brings its last ``query_lengths[b]`` tokens as queries; query ``t`` sits at
+position ``lengths[b] - query_lengths[b] + t`` and sees every token at or before it (cached
+prefix included). One program per (sequence, kv head, block of ``block_q`` query tokens) serves
+``rows = block_q * group`` query rows against the same paged K/V stream as the decode kernel::
+
+    rows of program (b, h, qb):  r = t * group + g   (query token t0 + t, query head h*group + g)
+    kv block j (T tokens):       only rows whose position >= j*T see it, a suffix of the rows:
+        rows [t_lo * group, n_q * group),  t_lo = clip(j*T - pos(t0), 0, n_q)
+
+Per row, per block: the decode kernel's online-softmax step (CUDA cores, f32 state in SMEM).
+Rows past ``query_lengths[b]`` are never computed and come out zero.
+
+Layers: kernel body -> call builder -> public jitted wrapper -> reference (oracle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _interpret
+from pallas_kernels.paged_decode import (SMEM_BUDGET_BYTES, KVTiles, default_pages_per_block,
+                                         fetch_block, load_block, softmax_update, validate_kv,
+                                         zero_rows)
+from pallas_kernels.reference import default_sm_scale, paged_prefill_attention_reference
+
+_MAX_ROWS = 256  # one TMA box of query rows
+
+# ---------------------------------------------------------------- layer 1: kernel body
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrefillSpec:
+    tiles: KVTiles
+    group: int
+    block_q: int
+    max_q_len: int
+    sm_scale: float
+    soft_cap: float | None
+
+    @property
+    def rows(self) -> int:
+        return self.block_q * self.group
+
+
+def _prefill_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, qlen_ref, o_ref,
+                    q_smem, k_smem, v_smem, acc_smem, stats_smem, q_bar, kv_bars,
+                    *, spec: _PrefillSpec, lay: _interpret.Layouts):
+    # q_ref:      [batch, kv_heads, q_pad * group, head_dim]  GMEM; row t*group + g
+    # k_ref/v_ref:[num_pages, kv_heads, page_size, head_dim]  GMEM
+    # bt_ref:     int32 [batch, max_pages]; len_ref, qlen_ref: int32 [batch]  GMEM
+    # o_ref:      f32 [batch, kv_heads, q_pad * group, head_dim]  normalised output
+    # q_smem:     [rows, head_dim]; k_smem/v_smem: [2, T, head_dim] (tiled, swizzled)
+    # acc_smem:   f32 [rows, head_dim]; stats_smem: f32 [2, rows] (running max, running sum)
+    # q_bar:      1 barrier; kv_bars: 2 barriers (one per slot), 2 * pages_per_block arrivals
+    tiles, group, rows = spec.tiles, spec.group, spec.rows
+    b, h, qb = lax.axis_index("b"), lax.axis_index("kvh"), lax.axis_index("qblock")
+    length = jnp.clip(len_ref[b], 0, tiles.max_pages * tiles.page_size)
+    q_len = jnp.clip(qlen_ref[b], 0, jnp.minimum(length, spec.max_q_len))
+    t0 = qb * spec.block_q
+    pos0 = length - q_len + t0  # position of this program's first query token
+    n_q = jnp.clip(q_len - t0, 0, spec.block_q)
+    n_blocks = jnp.where(n_q > 0, pl.cdiv(pos0 + n_q, tiles.block_tokens), 0)
+    live_pages = pl.cdiv(length, tiles.page_size)
+    refs = (k_ref, v_ref, bt_ref, k_smem, v_smem, kv_bars)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * rows, rows)], q_smem, q_bar.at[0])
+    pl.when(n_blocks > 0)(lambda: fetch_block(tiles, refs, b, h, 0, live_pages, 0))
+    zero_rows(lay, acc_smem, 0, rows, tiles.head_dim)
+
+    @pl.loop(0, rows)
+    def _init(r):
+        stats_smem[0, r] = jnp.float32(-jnp.inf)
+        stats_smem[1, r] = jnp.float32(0.0)
+
+    plgpu.barrier_wait(q_bar.at[0])
+
+    @pl.loop(0, n_blocks)
+    def _block(j):
+        slot = lax.rem(j, 2)
+
+        @pl.when(j + 1 < n_blocks)
+        def _prefetch():
+            plgpu.commit_smem()  # every thread is done reading the slot about to be refilled
+            fetch_block(tiles, refs, b, h, j + 1, live_pages, 1 - slot)
+
+        plgpu.barrier_wait(kv_bars.at[slot])
+        kpos0 = j * tiles.block_tokens
+        k, v, kpos = load_block(tiles, lay, k_smem, v_smem, slot, kpos0, length)
+        t_lo = jnp.clip(kpos0 - pos0, 0, n_q)
+
+        @pl.loop(t_lo * group, n_q * group)
+        def _row(r):
+            visible = kpos <= pos0 + r // group  # causal; implies kpos < length
+            m, l = softmax_update(lay, q_smem, k, v, visible, stats_smem[0, r],
+                                  stats_smem[1, r], acc_smem, r, sm_scale=spec.sm_scale,
+                                  soft_cap=spec.soft_cap)
+            stats_smem[0, r] = m
+            stats_smem[1, r] = l
+
+    @pl.loop(0, n_q * group)
+    def _normalise(r):
+        denom = stats_smem[1, r]
+        acc_smem[r] = lay.load(acc_smem, r, lay.col) / jnp.where(denom > 0, denom, 1.0)
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(acc_smem, o_ref.at[b, h, pl.ds(qb * rows, rows)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+# ---------------------------------------------------------------- layer 2: call builder
+
+
+def _prefill_call(spec: _PrefillSpec, batch: int, num_kv_heads: int, q_blocks: int, interpret):
+    tiles, rows = spec.tiles, spec.rows
+    interpret = _interpret.interpret_params(interpret)
+    lay = _interpret.Layouts(interpret is not None)
+    k_buf, v_buf, kv_bars = tiles.scratch()
+    scratch = [plgpu.SMEM((rows, tiles.head_dim), tiles.dtype), k_buf, v_buf,
+               plgpu.SMEM((rows, tiles.head_dim), jnp.float32),
+               plgpu.SMEM((2, rows), jnp.float32), plgpu.Barrier(num_barriers=1), kv_bars]
+    out_type = jax.ShapeDtypeStruct((batch, num_kv_heads, q_blocks * rows, tiles.head_dim),
+                                    jnp.float32)
+    name = (f"paged_prefill_bq{spec.block_q}_ppb{tiles.pages_per_block}_ps{tiles.page_size}"
+            f"_g{spec.group}_d{tiles.head_dim}")
+    return plgpu.kernel(
+        functools.partial(_prefill_kernel, spec=spec, lay=lay), out_type=out_type,
+        scratch_types=scratch, grid=(batch, num_kv_heads, q_blocks),
+        grid_names=("b", "kvh", "qblock"), interpret=interpret, kernel_name=name)
+
+
+def _smem_bytes(tiles: KVTiles, rows: int) -> int:
+    return tiles.smem_bytes() + rows * tiles.head_dim * (tiles.itemsize + 4) + 8 * rows
+
+
+def default_block_q(tiles: KVTiles, group: int, max_q_len: int) -> int:
+    """Largest query block (<= 16 tokens, <= 128 rows) that fits SMEM."""
+    for bq in (16, 8, 4, 2, 1):
+        bq = min(bq, max_q_len)
+        if bq * group <= 128 and _smem_bytes(tiles, bq * group) <= SMEM_BUDGET_BYTES:
+            return bq
+    return 1
+
+
+# ---------------------------------------------------------------- layer 3: public wrapper
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "logit_soft_cap", "pages_per_block", "block_q", "interpret"))
+def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths, query_lengths, *,
+                            sm_scale=None, logit_soft_cap=None, pages_per_block=None,
+                            block_q=None, interpret=False):
+    """Ragged causal queries over paged context (chunked prefill, cached prefixes).
+
+    Args:
+      q: ``[batch, max_q_len, num_q_heads, head_dim]``; query ``t`` of row ``b`` sits at
+        position ``lengths[b] - query_lengths[b] + t``.
+      k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]``.
+      block_tables: int32 ``[batch, max_pages_per_seq]``.
+      lengths: int32 ``[batch]``, the queries' own tokens included.
+      query_lengths: int32 ``[batch]``, ``<= min(lengths, max_q_len)``.
+      sm_scale, logit_soft_cap: as :func:`paged_decode_attention`.
+      pages_per_block: pages per compute block (default: fill 64 tokens).
+      block_q: query tokens per program (default: up to 16, at most 128 rows).
+      interpret: ``True`` (or ``InterpretGPUParams``) runs the kernel on CPU.
+
+    Returns:
+      ``[batch, max_q_len, num_q_heads, head_dim]`` in ``q.dtype``; queries
+      ``t >= query_lengths[b]`` are zero.
+    """
+    if q.ndim != 4:
+        raise ValueError(f"q must be [batch, max_q_len, num_q_heads, head_dim]; got {q.shape}")
+    batch, max_q_len, num_q_heads, head_dim = q.shape
+    ppb = pages_per_block or default_pages_per_block(k_pages.shape[2])
+    tiles = validate_kv(k_pages, v_pages, block_tables, ppb)
+    num_kv_heads = k_pages.shape[1]
+    if head_dim != tiles.head_dim or q.dtype != tiles.dtype:
+        raise ValueError(f"q {q.dtype}{list(q.shape)} must match the pages' head_dim"
+                         f" {tiles.head_dim} and dtype {tiles.dtype}")
+    if num_q_heads % num_kv_heads or any(
+            x.shape != (batch,) for x in (lengths, query_lengths)) or (
+            block_tables.shape[0] != batch):
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads="
+                         f"{num_kv_heads}; block_tables, lengths, query_lengths must lead with"
+                         f" batch={batch}")
+    group = num_q_heads // num_kv_heads
+    bq = block_q or default_block_q(tiles, group, max_q_len)
+    if bq * group > _MAX_ROWS or _smem_bytes(tiles, bq * group) > SMEM_BUDGET_BYTES:
+        raise ValueError(f"block_q={bq} x group={group} rows need {_smem_bytes(tiles, bq * group)}"
+                         f" bytes of SMEM (budget {SMEM_BUDGET_BYTES}, <= {_MAX_ROWS} rows):"
+                         " lower block_q or pages_per_block")
+    q_blocks = pl.cdiv(max_q_len, bq)
+    spec = _PrefillSpec(tiles, group, bq, max_q_len, default_sm_scale(head_dim, sm_scale),
+                        logit_soft_cap)
+    q_rows = jnp.pad(q, ((0, 0), (0, q_blocks * bq - max_q_len), (0, 0), (0, 0)))
+    q_rows = q_rows.reshape(batch, q_blocks * bq, num_kv_heads, group, head_dim)
+    q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
+    out = _prefill_call(spec, batch, num_kv_heads, q_blocks, interpret)(
+        q_rows, k_pages, v_pages, block_tables, lengths.astype(jnp.int32),
+        query_lengths.astype(jnp.int32))
+    out = out.reshape(batch, num_kv_heads, q_blocks * bq, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out[:, :max_q_len].reshape(q.shape).astype(q.dtype)
+
+
+# ---------------------------------------------------------------- layer 4: reference
+
+reference = paged_prefill_attention_reference

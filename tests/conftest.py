@@ -1,0 +1,41 @@
+"""Session fixtures shared by every test: the real model (``lm``) and its HF oracle (``hf``).
+
+Both load once per session (the model cache in :func:`models.load` does the same across
+sessions' imports), so tests can use them freely.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import pytest
+
+import models
+import oracle
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Float32 oracles need full-precision matmuls (TF32 on GPU would miss 1e-4), and the
+    ``hf_greedy`` disk cache belongs under pytest's cache dir."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        oracle.set_cache_dir(cache.mkdir("paxkv_oracle"))
+
+
+@pytest.fixture(scope="session")
+def lm() -> models.LanguageModel:
+    """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, float32)."""
+    return models.load()
+
+
+@pytest.fixture(scope="session")
+def hf() -> oracle.HF:
+    """HF transformers' model + tokenizer from the same GGUF (float32); skipped without them."""
+    missing = [m for m in ("torch", "transformers", "accelerate")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"HF oracle needs {', '.join(missing)}: pip install -e '.[oracle]' "
+                    "(torch==2.13.0)")
+    return oracle.load_hf()
