@@ -113,6 +113,7 @@ class Engine:
                               top_p=np.ones(max_seqs, np.float32),
                               seed=np.zeros((max_seqs, 2), np.uint32))
         self.peak_running = 0
+        self.peak_pages_used = 0
         self.num_preemptions = 0
 
     # -- requests -------------------------------------------------------------------------
@@ -263,7 +264,8 @@ class Engine:
         self.cache, nxt, ok, free = steps.prefill_step(
             self.lm.forward, self.lm.params, self.cache, jnp.asarray(tokens), jnp.asarray(rows),
             jnp.asarray(qlen), self._sampling_for(rows), attention_impl=self.attention_impl)
-        nxt, ok, self._free = np.asarray(nxt), np.asarray(ok), int(free)
+        nxt, ok = np.asarray(nxt), np.asarray(ok)
+        self._note_free(int(free))
         more, done = [], []
         for i, r in enumerate(batch):
             if not ok[i]:  # the pool could not hold it after all: back to the queue
@@ -286,7 +288,8 @@ class Engine:
         self.cache, nxt, ok, free = steps.decode_step(
             self.lm.forward, self.lm.params, self.cache, jnp.asarray(self._last_token),
             jnp.asarray(live), self._sampling_for(None), attention_impl=self.attention_impl)
-        nxt, ok, self._free = np.asarray(nxt), np.asarray(ok), int(free)
+        nxt, ok = np.asarray(nxt), np.asarray(ok)
+        self._note_free(int(free))
         for row in np.flatnonzero(ok):
             self._append(self._rows[row], int(nxt[row]))
         finished = [r for r in self._rows if r is not None and r.finish_reason is not None]
@@ -303,6 +306,10 @@ class Engine:
             return None
         pick = (lambda a: a) if rows is None else (lambda a: a[rows])
         return SamplingParams(**{k: jnp.asarray(pick(v)) for k, v in self._sampling.items()})
+
+    def _note_free(self, free: int) -> None:
+        self._free = free
+        self.peak_pages_used = max(self.peak_pages_used, self.num_pages - free)
 
     def _append(self, req: _Request, token: int) -> None:
         req.output.append(token)
