@@ -83,6 +83,16 @@ class DenseCache:
             lengths=self.lengths.at[target].set(self.lengths[p], mode="drop"),
             active=self.active.at[target].set(True, mode="drop")), ok
 
+    def reorder(self, parents: jax.Array) -> tuple["DenseCache", jax.Array]:
+        """Row ``b`` continues row ``parents[b]`` (-1 = drop) by copying every layer's KV row:
+        what a dense cache pays on each beam-search step (``cache[beam_idx]``)."""
+        parents = jnp.asarray(parents, jnp.int32)
+        p = jnp.clip(parents, 0, self.max_seqs - 1)
+        ok = (parents >= 0) & (parents < self.max_seqs) & self.active[p]
+        return dataclasses.replace(
+            self, k=self.k[:, p], v=self.v[:, p], lengths=jnp.where(ok, self.lengths[p], 0),
+            active=ok), ok
+
     def with_window(self, max_tokens: int | None) -> "DenseCache":
         return dataclasses.replace(
             self, window=None if max_tokens is None else min(self.max_len, max_tokens))

@@ -71,6 +71,12 @@ class PagedCache:
         table, ok = pt.fork(self.table, parents, children)
         return dataclasses.replace(self, table=table), ok
 
+    def reorder(self, parents: jax.Array) -> tuple["PagedCache", jax.Array]:
+        """Row ``b`` continues row ``parents[b]`` (int32 ``[max_seqs]``, -1 = drop): block-table
+        rows and ref counts move, KV stays put (beam search)."""
+        table, ok = pt.reorder(self.table, parents)
+        return dataclasses.replace(self, table=table), ok
+
     def with_window(self, max_tokens: int | None) -> "PagedCache":
         """The same cache, attention reading at most ``max_tokens`` per row (static)."""
         pages = None if max_tokens is None else min(
