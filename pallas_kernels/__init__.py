@@ -1,0 +1,26 @@
+"""Paged attention and KV-page kernels for JAX: Mosaic GPU Pallas kernels and their jnp oracles.
+
+Every attention function takes ``q, k_pages, v_pages, block_tables, lengths`` with pages laid
+out ``[num_pages, num_kv_heads, page_size, head_dim]``. The kernels run on Hopper-class GPUs,
+or on CPU with ``interpret=True`` (slow; for tests).
+"""
+
+from pallas_kernels.kv_write import (copy_pages, copy_pages_reference, write_kv,
+                                     write_kv_reference)
+from pallas_kernels.paged_decode import paged_decode_attention
+from pallas_kernels.paged_prefill import paged_prefill_attention
+from pallas_kernels.reference import (dense_attention_reference,
+                                      paged_decode_attention_reference,
+                                      paged_prefill_attention_reference)
+
+__all__ = [
+    "copy_pages",
+    "copy_pages_reference",
+    "dense_attention_reference",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
+    "write_kv",
+    "write_kv_reference",
+]

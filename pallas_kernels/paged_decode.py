@@ -169,7 +169,7 @@ def zero_rows(lay, acc_ref, lo, hi, head_dim: int) -> None:
 class _DecodeSpec:
     tiles: KVTiles
     group: int
-    group_pad: int  # stats rows padded so a TMA row is a multiple of 16 bytes
+    group_pad: int  # stats rows padded to 16 floats: TMA rows must be whole 16-byte units
     num_splits: int
     blocks_per_split: int
     sm_scale: float
@@ -195,10 +195,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, acc_out, stats_out,
     n_blocks = jnp.clip(pl.cdiv(length, tiles.block_tokens) - first, 0, spec.blocks_per_split)
     refs = (k_ref, v_ref, bt_ref, k_smem, v_smem, kv_bars)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
-    pl.when(n_blocks > 0)(lambda: fetch_block(tiles, refs, b, h, first, live_pages, 0))
+    @pl.when(n_blocks > 0)
+    def _start():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+        fetch_block(tiles, refs, b, h, first, live_pages, 0)
+
     zero_rows(lay, acc_smem, 0, spec.group, tiles.head_dim)
-    plgpu.barrier_wait(q_bar.at[0])
+    pl.when(n_blocks > 0)(lambda: plgpu.barrier_wait(q_bar.at[0]))
 
     def block(j, ml):  # ml: per query head (running max, running sum), f32 scalars
         slot = lax.rem(j, 2)

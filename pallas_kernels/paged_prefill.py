@@ -68,15 +68,29 @@ def _prefill_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, qlen_ref, o_ref,
     t0 = qb * spec.block_q
     pos0 = length - q_len + t0  # position of this program's first query token
     n_q = jnp.clip(q_len - t0, 0, spec.block_q)
-    n_blocks = jnp.where(n_q > 0, pl.cdiv(pos0 + n_q, tiles.block_tokens), 0)
+    n_blocks = pl.cdiv(pos0 + n_q, tiles.block_tokens)  # keys up to the last query
     live_pages = pl.cdiv(length, tiles.page_size)
     refs = (k_ref, v_ref, bt_ref, k_smem, v_smem, kv_bars)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * rows, rows)], q_smem, q_bar.at[0])
-    pl.when(n_blocks > 0)(lambda: fetch_block(tiles, refs, b, h, 0, live_pages, 0))
-    zero_rows(lay, acc_smem, 0, rows, tiles.head_dim)
+    @pl.when(n_q > 0)  # NOTE: programs without queries write nothing; the wrapper zeroes them
+    def _queries():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * rows, rows)], q_smem, q_bar.at[0])
+        fetch_block(tiles, refs, b, h, 0, live_pages, 0)
+        _attend(spec, lay, refs, q_smem, acc_smem, stats_smem, b, h, length, pos0, n_q,
+                n_blocks, live_pages, q_bar)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(acc_smem, o_ref.at[b, h, pl.ds(qb * rows, rows)])
+        plgpu.wait_smem_to_gmem(0)
 
-    @pl.loop(0, rows)
+
+def _attend(spec, lay, refs, q_smem, acc_smem, stats_smem, b, h, length, pos0, n_q, n_blocks,
+            live_pages, q_bar):
+    """Rows ``[0, n_q * group)``: stream the K/V blocks, update each row, normalise."""
+    tiles, group = spec.tiles, spec.group
+    k_smem, v_smem, kv_bars = refs[3:]
+    zero_rows(lay, acc_smem, 0, n_q * group, tiles.head_dim)
+
+    @pl.loop(0, n_q * group)
     def _init(r):
         stats_smem[0, r] = jnp.float32(-jnp.inf)
         stats_smem[1, r] = jnp.float32(0.0)
@@ -111,10 +125,6 @@ def _prefill_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, qlen_ref, o_ref,
         denom = stats_smem[1, r]
         acc_smem[r] = lay.load(acc_smem, r, lay.col) / jnp.where(denom > 0, denom, 1.0)
 
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(acc_smem, o_ref.at[b, h, pl.ds(qb * rows, rows)])
-    plgpu.wait_smem_to_gmem(0)
-
 
 # ---------------------------------------------------------------- layer 2: call builder
 
@@ -144,7 +154,7 @@ def _smem_bytes(tiles: KVTiles, rows: int) -> int:
 def default_block_q(tiles: KVTiles, group: int, max_q_len: int) -> int:
     """Largest query block (<= 16 tokens, <= 128 rows) that fits SMEM."""
     for bq in (16, 8, 4, 2, 1):
-        bq = min(bq, max_q_len)
+        bq = max(1, min(bq, max_q_len))
         if bq * group <= 128 and _smem_bytes(tiles, bq * group) <= SMEM_BUDGET_BYTES:
             return bq
     return 1
@@ -207,7 +217,9 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths, query_le
         q_rows, k_pages, v_pages, block_tables, lengths.astype(jnp.int32),
         query_lengths.astype(jnp.int32))
     out = out.reshape(batch, num_kv_heads, q_blocks * bq, group, head_dim).transpose(0, 2, 1, 3, 4)
-    return out[:, :max_q_len].reshape(q.shape).astype(q.dtype)
+    out = out[:, :max_q_len].reshape(q.shape)
+    is_query = jnp.arange(max_q_len)[None, :] < jnp.minimum(query_lengths, lengths)[:, None]
+    return jnp.where(is_query[:, :, None, None], out, 0.0).astype(q.dtype)
 
 
 # ---------------------------------------------------------------- layer 4: reference

@@ -1,0 +1,203 @@
+"""Paged decode kernel vs dense decode vs JAX's Triton paged attention, on one GPU.
+
+For each (batch, context, page_size) point: build one bf16 paged pool (Llama-3-8B-like heads,
+ragged lengths in [context/2, context]), check every implementation against the jnp oracle on
+the device (no speed figure for a wrong answer), then time it (warm-up, ``block_until_ready``,
+median of many). Bandwidth is the K/V bytes the sequences actually hold over the median time,
+also as a fraction of a measured device-to-device copy rate.
+
+    python -m experiments.kernels            # full sweep, < 10 min on an H200
+    python -m experiments.kernels --quick    # two small points
+    python -m experiments.kernels --interpret  # tiny CPU smoke run of the Mosaic kernel
+
+Writes ``results/kernels.json`` (config, versions, device, git SHA, rows) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_decode import paged_decode_attention
+from pallas_kernels.reference import gather_pages, paged_decode_attention_reference
+
+FULL_SWEEP = (  # (batch, context, page_size): batch x context sweep, then page sizes
+    [(b, c, 16) for b in (1, 16, 64, 256) for c in (512, 4096, 32768) if b * c <= 2**21]
+    + [(32, 8192, p) for p in (16, 32, 64, 128)])
+QUICK_SWEEP = [(4, 512, 16), (16, 4096, 64)]
+INTERPRET_SWEEP = [(2, 128, 16)]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="two small points, few iterations")
+    p.add_argument("--interpret", action="store_true", help="tiny CPU run in interpret mode")
+    p.add_argument("--num-q-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None,
+                   help="JSON path (default results/kernels.json, or kernels_interpret.json)")
+    return p.parse_args(argv)
+
+
+def make_problem(args, batch, context, page_size, dtype=jnp.bfloat16):
+    """Ragged lengths, a permuted page pool and the same K/V laid out densely."""
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(max(1, context // 2), context + 1, batch).astype(np.int32)
+    max_pages = -(-context // page_size)
+    need = -(-lengths // page_size)
+    num_pages = int(need.sum()) + 1
+    perm = rng.permutation(num_pages).astype(np.int32)
+    table = np.full((batch, max_pages), num_pages - 1, np.int32)
+    starts = np.concatenate([[0], np.cumsum(need)[:-1]])
+    for b in range(batch):
+        table[b, :need[b]] = perm[starts[b]:starts[b] + need[b]]
+    keys = jax.random.split(jax.random.key(args.seed), 3)
+    shape = (num_pages, args.num_kv_heads, page_size, args.head_dim)
+    k_pages = jax.random.normal(keys[0], shape, dtype)
+    v_pages = jax.random.normal(keys[1], shape, dtype)
+    q = jax.random.normal(keys[2], (batch, args.num_q_heads, args.head_dim), dtype)
+    return q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(lengths)
+
+
+def dense_kv(pages, table):
+    """``[batch, max_pages * page_size, kv_heads, head_dim]``: the dense twin's layout."""
+    g = gather_pages(pages, table)  # [b, m, kvh, s, d]
+    b, m, h, s, d = g.shape
+    return g.transpose(0, 1, 3, 2, 4).reshape(b, m * s, h, d)
+
+
+def implementations(args, q, k_pages, v_pages, table, lengths, interpret):
+    """name -> zero-argument callable; each builds its inputs once, outside the timing."""
+    scale = args.head_dim ** -0.5
+    impls = {"paxkv_paged": lambda: paged_decode_attention(q, k_pages, v_pages, table, lengths,
+                                                            interpret=interpret)}
+    k, v = jax.block_until_ready((dense_kv(k_pages, table), dense_kv(v_pages, table)))
+    xla = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+        q[:, None], k, v, scale=scale, key_value_seq_lengths=n)[:, 0])
+    impls["dense_xla"] = lambda: xla(q, k, v, lengths)
+    if interpret:
+        return impls
+    try:
+        from jax.experimental.pallas.ops.gpu import decode_attention, paged_attention
+    except ImportError as e:  # pragma: no cover - depends on the jax build
+        print(f"JAX Triton ops unavailable: {e}")
+        return impls
+    impls["dense_triton_decode"] = lambda: decode_attention.gqa(q, k, v, kv_seq_len=lengths,
+                                                                sm_scale=scale)
+    kt, vt = jax.block_until_ready((k_pages.transpose(1, 0, 2, 3), v_pages.transpose(1, 0, 2, 3)))
+    qs = (q.astype(jnp.float32) * scale).astype(q.dtype)  # it applies no scale itself
+    ppcb = max(1, min(table.shape[1], 128 // k_pages.shape[2]))
+    impls["jax_triton_paged"] = lambda: paged_attention.paged_attention(
+        qs, kt, vt, table, lengths, pages_per_compute_block=ppcb)
+    return impls
+
+
+def median_seconds(fn, iters):
+    for _ in range(3):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_rate(interpret) -> float:
+    """Device-to-device bytes/s of ``x + 1`` over 1 GiB (read + write)."""
+    n = (2**20 if interpret else 2**29)
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
+    return 2 * x.nbytes / median_seconds(lambda: f(x), 10)
+
+
+def run_point(args, point, copy_bps, interpret):
+    batch, context, page_size = point
+    q, k_pages, v_pages, table, lengths = make_problem(args, batch, context, page_size)
+    check = min(batch, 8)  # the oracle materialises scores: check a slice of the batch
+    ref = np.asarray(paged_decode_attention_reference(
+        q[:check], k_pages, v_pages, table[:check], lengths[:check]), np.float32)
+    kv_bytes = 2 * int(lengths.sum()) * args.num_kv_heads * args.head_dim * 2
+    rows = []
+    for name, fn in implementations(args, q, k_pages, v_pages, table, lengths, interpret).items():
+        row = dict(batch=batch, context=context, page_size=page_size, impl=name, ok=False)
+        try:
+            out = np.asarray(fn()[:check], np.float32)
+            err = np.linalg.norm(out - ref, axis=-1) / np.maximum(
+                np.linalg.norm(ref, axis=-1), 1e-6)
+            row.update(max_rel_err=float(err.max()), ok=bool(err.max() < 2e-2))
+            if row["ok"]:
+                sec = median_seconds(fn, args.iters)
+                row.update(median_ms=1e3 * sec, gbps=kv_bytes / sec / 1e9,
+                           frac_of_copy=kv_bytes / sec / copy_bps)
+        except Exception as e:  # noqa: BLE001 - one failing baseline must not end the sweep
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(r):
+    timing = (f"{r['median_ms']:9.3f} ms {r['gbps']:8.1f} GB/s {100 * r['frac_of_copy']:5.1f}%"
+              if "median_ms" in r else f"{'-':>9}    {'-':>8}       {'-':>5} ")
+    status = "ok" if r["ok"] else r.get("error", f"WRONG (err {r.get('max_rel_err', 0):.2g})")
+    return (f"{r['batch']:5d} {r['context']:6d} {r['page_size']:4d}  {r['impl']:20s} {timing}"
+            f"  {status}")
+
+
+def provenance(args):
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    dev = jax.devices()[0]
+    return dict(config=vars(args), git_sha=git("rev-parse", "HEAD"),
+                git_dirty=bool(git("status", "--porcelain")),
+                device=f"{dev.platform}:{dev.device_kind}",
+                versions=dict(jax=jax.__version__, jaxlib=importlib.metadata.version("jaxlib"),
+                              python=platform.python_version()))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if jax.default_backend() != "gpu" and not args.interpret:
+        sys.exit(f"experiments.kernels needs a GPU (default backend: {jax.default_backend()});"
+                 " pass --interpret for a tiny CPU smoke run of the Mosaic kernel.")
+    if args.interpret:
+        args.num_q_heads, args.num_kv_heads, args.head_dim, args.iters = 4, 2, 64, 2
+    sweep = INTERPRET_SWEEP if args.interpret else QUICK_SWEEP if args.quick else FULL_SWEEP
+    if args.quick:
+        args.iters = min(args.iters, 5)
+    copy_bps = copy_rate(args.interpret)
+    print(f"device-to-device copy: {copy_bps / 1e9:.1f} GB/s\n"
+          f"{'batch':>5} {'ctx':>6} {'page':>4}  {'impl':20s} {'median':>12} {'bandwidth':>13}"
+          " of copy")
+    rows = [r for point in sweep for r in run_point(args, point, copy_bps, args.interpret)]
+    out = pathlib.Path(args.out or ("results/kernels_interpret.json" if args.interpret
+                                    else "results/kernels.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(**provenance(args), copy_gbps=copy_bps / 1e9, rows=rows),
+                              indent=2))
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""The Mosaic GPU kernels against the jnp oracle, in interpret mode on CPU, plus CUDA lowering.
+
+Interpret mode compiles one large XLA program per shape (~4 s here), so the matrix is chosen,
+not crossed: each attention case packs the length edge cases (0, 1, page_size - 1,
+page_size, page_size + 1, long) into one batch and runs that one compiled kernel on clean and
+on NaN-poisoned pools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _interpret
+from pallas_kernels.kv_write import (copy_pages, copy_pages_reference, write_kv,
+                                     write_kv_reference)
+from pallas_kernels.paged_decode import paged_decode_attention
+from pallas_kernels.paged_prefill import paged_prefill_attention
+from pallas_kernels.reference import (paged_decode_attention_reference,
+                                      paged_prefill_attention_reference)
+
+INTERPRET = True
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    yield
+    _interpret.reset_interpret_state()  # a kernel that raised leaves global state behind
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    group: int
+    head_dim: int
+    dtype: str
+    page_size: int = 16
+    num_kv_heads: int = 1
+    kwargs: tuple = ()  # static kernel arguments
+    clean_run: bool = False  # also run on the clean pool: poisoned output must be identical
+
+    def __str__(self):
+        return f"g{self.group}-d{self.head_dim}-{self.dtype}-ps{self.page_size}-" + "-".join(
+            f"{k}{v}" for k, v in self.kwargs)
+
+
+def edge_lengths(page_size: int, long: int) -> list[int]:
+    return [0, 1, page_size - 1, page_size, page_size + 1, long]
+
+
+def make_pool(seed, case: Case, lengths, *, shared_pages: int = 1, spare_pages: int = 3):
+    """Pages, a randomly permuted block table and per-sequence lengths.
+
+    Sequences 4 and 5 share their first ``shared_pages`` pages (a forked prefix). Returns
+    clean and poisoned pools: every slot no sequence can see (free pages, the tail of a
+    partly filled page) is NaN in the poisoned one, and table padding points at NaN pages
+    or outside the pool.
+    """
+    rng = np.random.default_rng(seed)
+    s = case.page_size
+    lengths = np.asarray(lengths, np.int32)
+    need = -(-lengths // s)
+    max_pages = int(need.max()) + 1
+    num_pages = int(need.sum()) + spare_pages
+    perm = rng.permutation(num_pages)
+    table = np.empty((len(lengths), max_pages), np.int32)
+    live = np.zeros((num_pages, s), bool)
+    used = 0
+    for b, (n, length) in enumerate(zip(need, lengths)):
+        row = perm[used:used + n]
+        used += n
+        if b == 5 and shared_pages and lengths[4] >= shared_pages * s:
+            row[:shared_pages] = table[4, :shared_pages]
+        pad = rng.choice([perm[-1], num_pages + 7, -1, 2**30], max_pages - n)
+        table[b] = np.concatenate([row, pad])
+        for p in range(n):
+            live[row[p], : min(s, length - p * s)] = True
+    shape = (num_pages, case.num_kv_heads, s, case.head_dim)
+    k = rng.standard_normal(shape, np.float32)
+    v = rng.standard_normal(shape, np.float32)
+    dead = ~live[:, None, :, None]
+    clean = tuple(jnp.asarray(x, case.dtype) for x in (k, v))
+    poisoned = tuple(jnp.asarray(np.where(dead, np.nan, x), case.dtype) for x in (k, v))
+    return clean, poisoned, jnp.asarray(table), jnp.asarray(lengths)
+
+
+def assert_rows_close(out, ref, dtype, row_axes):
+    """Per-row relative error (a row: one query token of one head) under the dtype tolerance."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    axes = tuple(a for a in range(out.ndim) if a not in row_axes)
+    err = np.sqrt(((out - ref) ** 2).sum(axes)) / np.maximum(np.sqrt((ref**2).sum(axes)), 1e-6)
+    assert err.max() <= TOLERANCE[jnp.dtype(dtype)], f"worst per-row relative error {err.max()}"
+
+
+DECODE_CASES = [
+    Case(1, 128, "float32", page_size=64, kwargs=(("num_splits", 1), ("sm_scale", 0.3))),
+    Case(3, 64, "bfloat16", num_kv_heads=2, kwargs=(("num_splits", 3),), clean_run=True),
+    Case(8, 64, "float32", page_size=32, kwargs=(("num_splits", 2), ("logit_soft_cap", 4.0))),
+    Case(8, 128, "bfloat16", kwargs=(("pages_per_block", 8),)),  # 128-token blocks, auto splits
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_decode_matches_reference(case):
+    lengths = edge_lengths(case.page_size, 3 * 64 + 5)
+    clean, poisoned, table, lengths = make_pool(0, case, lengths)
+    q = jax.random.normal(jax.random.key(1), (len(lengths), case.num_kv_heads * case.group,
+                                              case.head_dim), case.dtype)
+    kw = dict(case.kwargs)
+    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "logit_soft_cap")}
+    out = paged_decode_attention(q, *poisoned, table, lengths, interpret=INTERPRET, **kw)
+    ref = paged_decode_attention_reference(q, *clean, table, lengths, **ref_kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if case.clean_run:
+        out_clean = paged_decode_attention(q, *clean, table, lengths, interpret=INTERPRET, **kw)
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(out_clean, np.float32))
+    assert not np.asarray(out[0]).any(), "a length-0 row must be exactly zero"
+    assert_rows_close(out, ref, case.dtype, row_axes=(0, 1))
+
+
+PREFILL_CASES = [
+    Case(3, 64, "bfloat16", num_kv_heads=2, kwargs=(("block_q", 4),)),
+    Case(1, 128, "float32", kwargs=(("logit_soft_cap", 4.0),)),
+    Case(8, 64, "float32", page_size=32, kwargs=(("block_q", 4),)),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
+def test_prefill_matches_reference(case):
+    # (context, new tokens): empty, first token, a whole prompt, chunks after a cached
+    # prefix (one crossing a page boundary), one token after a long context
+    s = case.page_size
+    lengths = [0, 1, s - 1, s, s + 9, 3 * 64 + 5]
+    query_lengths = [0, 1, s - 1, 5, 12, 1]
+    clean, poisoned, table, lengths = make_pool(2, case, lengths, shared_pages=0)
+    query_lengths = jnp.asarray(query_lengths, jnp.int32)
+    q = jax.random.normal(jax.random.key(3), (len(lengths), max(query_lengths) + 1,
+                                              case.num_kv_heads * case.group, case.head_dim),
+                          case.dtype)
+    kw = dict(case.kwargs)
+    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "logit_soft_cap")}
+    args = (table, lengths, query_lengths)
+    out = paged_prefill_attention(q, *poisoned, *args, interpret=INTERPRET, **kw)
+    ref = paged_prefill_attention_reference(q, *clean, *args, **ref_kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if case.clean_run:
+        out_clean = paged_prefill_attention(q, *clean, *args, interpret=INTERPRET, **kw)
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(out_clean, np.float32))
+    t = np.arange(q.shape[1])[None, :]
+    assert not np.asarray(out)[t >= np.asarray(query_lengths)[:, None]].any()
+    assert_rows_close(out, ref, case.dtype, row_axes=(0, 1, 2))
+
+
+def test_double_buffering_has_no_races():
+    """The interpreter's race detector sees every TMA write ordered before the reads."""
+    case = Case(2, 64, "bfloat16")
+    clean, _, table, lengths = make_pool(4, case, [128, 70])
+    q = jax.random.normal(jax.random.key(5), (2, 2, 64), jnp.bfloat16)
+    params = _interpret.InterpretGPUParams(detect_races=True)
+    out = paged_decode_attention(q, *clean, table, lengths, num_splits=1, interpret=params)
+    out.block_until_ready()
+    assert not _interpret.races_found()
+
+
+# ---------------------------------------------------------------- KV writes and page copies
+
+
+def _kv_pool(dtype=jnp.bfloat16, shape=(7, 2, 16, 64)):
+    k = jax.random.normal(jax.random.key(6), shape, dtype)
+    return k, jax.random.normal(jax.random.key(7), shape, dtype)
+
+
+def test_write_kv_matches_reference_in_place():
+    k, v = _kv_pool()
+    k_new = jax.random.normal(jax.random.key(8), (3, 2, 2, 64), jnp.float32)
+    v_new = jax.random.normal(jax.random.key(9), (3, 2, 2, 64), jnp.float32)
+    # decode tokens, a page boundary, and padding slots (page -1, page past the pool, offset 99)
+    pages = jnp.array([[2, 2], [5, -1], [6, 7]], jnp.int32)
+    offsets = jnp.array([[14, 15], [0, 3], [99, 1]], jnp.int32)
+    ref_k, ref_v = write_kv_reference(k, v, k_new, v_new, pages, offsets)
+    k_in, v_in = jnp.copy(k), jnp.copy(v)
+    out_k, out_v = write_kv(k_in, v_in, k_new, v_new, pages, offsets, interpret=INTERPRET)
+    assert k_in.is_deleted() and v_in.is_deleted(), "the pages must be donated"
+    np.testing.assert_array_equal(np.asarray(out_k, np.float32), np.asarray(ref_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(out_v, np.float32), np.asarray(ref_v, np.float32))
+    np.testing.assert_array_equal(np.asarray(out_k[6], np.float32), np.asarray(k[6], np.float32))
+
+
+def test_copy_pages_matches_reference_in_place():
+    k, v = _kv_pool()
+    src = jnp.array([1, 4, -1, 2], jnp.int32)
+    dst = jnp.array([3, 5, 0, 99], jnp.int32)  # the last two pairs are padding
+    ref_k, ref_v = copy_pages_reference(k, v, src, dst)
+    k_in, v_in = jnp.copy(k), jnp.copy(v)
+    out_k, out_v = copy_pages(k_in, v_in, src, dst, interpret=INTERPRET)
+    assert k_in.is_deleted() and v_in.is_deleted(), "the pages must be donated"
+    np.testing.assert_array_equal(np.asarray(out_k, np.float32), np.asarray(ref_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(out_v, np.float32), np.asarray(ref_v, np.float32))
+    np.testing.assert_array_equal(np.asarray(out_k[3]), np.asarray(k[1]))
+
+
+@pytest.mark.parametrize("fn", ["write", "copy"])
+def test_reference_scatter_is_in_place_when_donated(fn):
+    """The jnp twins alias the donated pages to the result: XLA scatters in place."""
+    k, v = _kv_pool(jnp.float32)
+    if fn == "write":
+        extra = (jnp.ones((1, 1, 2, 64)), jnp.ones((1, 1, 2, 64)),
+                 jnp.array([[3]], jnp.int32), jnp.array([[5]], jnp.int32))
+        f = jax.jit(write_kv_reference, donate_argnums=(0, 1))
+    else:
+        extra = (jnp.array([1], jnp.int32), jnp.array([2], jnp.int32))
+        f = jax.jit(copy_pages_reference, donate_argnums=(0, 1))
+    hlo = f.lower(k, v, *extra).compile().as_text()
+    assert "input_output_alias" in hlo
+    f(k, v, *extra)
+    assert k.is_deleted() and v.is_deleted()
+
+
+# ---------------------------------------------------------------- validation and lowering
+
+
+def test_trace_time_validation_names_the_fix():
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    pages = jnp.zeros((8, 2, 16, 64), jnp.bfloat16)
+    table, lengths = jnp.zeros((2, 4), jnp.int32), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="pages_per_block"):
+        paged_decode_attention(q, pages, pages, table, lengths, pages_per_block=3)
+    with pytest.raises(ValueError, match="must match the pages"):
+        paged_decode_attention(q.astype(jnp.float32), pages, pages, table, lengths)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention(q, pages, pages, table.astype(jnp.int16), lengths)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        paged_decode_attention(q, pages[:, :, :12], pages[:, :, :12], table, lengths)
+    with pytest.raises(ValueError, match="block_q"):
+        paged_prefill_attention(q[:, None].repeat(64, 1), pages, pages, table, lengths, lengths,
+                                block_q=200)
+
+
+def _shapes(*xs):
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
+
+
+def _lower_decode(dtype, group, head_dim, page_size, **kw):
+    q = jnp.zeros((4, 2 * group, head_dim), dtype)
+    pages = jnp.zeros((64, 2, page_size, head_dim), dtype)
+    args = _shapes(q, pages, pages, jnp.zeros((4, 16), jnp.int32), jnp.zeros((4,), jnp.int32))
+    return paged_decode_attention.trace(*args, **kw)
+
+
+def _lower_prefill(dtype, group, head_dim, page_size, **kw):
+    q = jnp.zeros((4, 32, 2 * group, head_dim), dtype)
+    pages = jnp.zeros((64, 2, page_size, head_dim), dtype)
+    lengths = jnp.zeros((4,), jnp.int32)
+    args = _shapes(q, pages, pages, jnp.zeros((4, 16), jnp.int32), lengths, lengths)
+    return paged_prefill_attention.trace(*args, **kw)
+
+
+def _lower_kv(fn):
+    k, v = _kv_pool()
+    if fn == "write":
+        new = jnp.zeros((4, 1, 2, 64), jnp.bfloat16)
+        idx = jnp.zeros((4, 1), jnp.int32)
+        return write_kv.trace(*_shapes(k, v, new, new, idx, idx))
+    idx = jnp.zeros((5,), jnp.int32)
+    return copy_pages.trace(*_shapes(k, v, idx, idx))
+
+
+LOWERINGS = {
+    "decode-bf16-g8-d128-ps16": lambda: _lower_decode(jnp.bfloat16, 8, 128, 16),
+    "decode-f32-g3-d64-ps64-softcap": lambda: _lower_decode(jnp.float32, 3, 64, 64,
+                                                            logit_soft_cap=30.0),
+    "decode-f16-g1-d128-ps128": lambda: _lower_decode(jnp.float16, 1, 128, 128),
+    "prefill-bf16-g4-d128-ps16": lambda: _lower_prefill(jnp.bfloat16, 4, 128, 16),
+    "prefill-f32-g1-d64-ps32": lambda: _lower_prefill(jnp.float32, 1, 64, 32),
+    "write_kv": lambda: _lower_kv("write"),
+    "copy_pages": lambda: _lower_kv("copy"),
+}
+
+
+@pytest.mark.parametrize("name", LOWERINGS)
+def test_lowers_for_cuda(name):
+    """Lowering runs Mosaic GPU's layout and TMA checks; PTX compilation needs a GPU."""
+    lowered = LOWERINGS[name]().lower(lowering_platforms=("cuda",))
+    hlo = lowered.as_text()
+    assert "mosaic_gpu" in hlo
+    kernel_name = {"decode": "paged_decode_ppb", "prefill": "paged_prefill_bq"}.get(
+        name.split("-")[0], name)
+    assert kernel_name in lowered.as_text(debug_info=True), "name= carries the tile sizes"
+    if name in ("write_kv", "copy_pages"):  # the pages alias through the kernel and the jit
+        assert "output_operand_aliases" in hlo and hlo.count("tf.aliasing_output") == 2
