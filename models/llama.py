@@ -49,12 +49,13 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+        scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (y * scale).astype(self.dtype)
 
 
 def rope_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """int32 ``[b, t]`` positions (-1 = padding, clipped to 0) -> cos, sin ``[b, t, 1, Dh/2]``."""
-    inv_freq = jnp.asarray(config.inv_freq())
+    inv_freq = jnp.asarray(config.inv_freq())[None, None, :]  # [1, 1, Dh/2]
     angles = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
 
@@ -99,10 +100,11 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[b, t, D] -> [b, t, D]``."""
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
         f = self.config.intermediate_size
-        h = nn.silu(dense(f, "gate_proj")(x)) * dense(f, "up_proj")(x)
-        return dense(self.config.hidden_size, "down_proj")(h)
+        gate = nn.Dense(f, use_bias=False, dtype=self.dtype, name="gate_proj")(x)
+        up = nn.Dense(f, use_bias=False, dtype=self.dtype, name="up_proj")(x)
+        return nn.Dense(self.config.hidden_size, use_bias=False, dtype=self.dtype,
+                        name="down_proj")(nn.silu(gate) * up)
 
 
 class Block(nn.Module):

@@ -24,7 +24,6 @@ from paxkv.full_attention import NoCache
 from paxkv.step_info import StepInfo
 
 TOL = 1e-4
-
 PROMPT_TEXTS = [
     "Hello",
     "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n    pivot = xs[0]\n",
@@ -44,8 +43,16 @@ CHATS = [
 TOKENIZER_TEXTS = PROMPT_TEXTS + [
     "", " ", "  leading spaces", "trailing\n", "\r\nwindows\r\nlines", "tab\tsep\tvalues",
     "<|im_start|>user\nhi<|im_end|>", "x<|endoftext|>y", "0123456789 00 007",
-    "naïve e\u0301 ﬁ", "中文测试：你好，世界！", "a" * 50, "!!!???...,,,;;;", "can't won't it's",
+    "naïve e\u0301 ﬁ", "中文测试：你好，世界！", "a" * 50, "!!!???...,,,;;;",
+    "can't won't it's",
 ]
+
+
+@pytest.fixture(autouse=True)
+def _strict_ranks():
+    """No silent rank promotion in model code (nanodo's rule)."""
+    with jax.numpy_rank_promotion("raise"):
+        yield
 
 
 def rel_err_rows(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -101,8 +108,9 @@ def test_default_model(lm: models.LanguageModel) -> None:
     assert lm.name == "SmolLM2-135M-Instruct.Q4_1"
     assert lm.eos_token_ids == (2,)
     c = lm.config
-    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
-    assert (c.vocab_size, c.intermediate_size, c.rope_theta, c.tie_word_embeddings) == (49152, 1536, 1e5, True)
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (30, 576, 9, 3)
+    assert (c.head_dim, c.vocab_size, c.intermediate_size) == (64, 49152, 1536)
+    assert (c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings) == (1e5, np.float32(1e-5), True)
     hash(c)
 
 
@@ -187,12 +195,15 @@ def test_corrupt_files(tmp_path) -> None:
         models.load(garbled)
 
 
+TINY = models.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=16)
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> str:
-    """A small valid GGUF (written from a tiny random HF Llama); needs transformers."""
-    pytest.importorskip("transformers")
+    """A small valid GGUF with random weights (no torch needed)."""
     path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-    oracle.write_gguf(path, oracle.tiny_hf_model("llama3"))
+    oracle.write_gguf(path, TINY, oracle.random_llama_state(TINY))
     return path
 
 
@@ -206,12 +217,20 @@ def test_truncated_gguf(tiny_gguf, tmp_path, keep: int) -> None:
 
 
 def test_unsupported_quant_type(tmp_path) -> None:
-    pytest.importorskip("transformers")
     path = str(tmp_path / "q5.gguf")
-    oracle.write_gguf(path, oracle.tiny_hf_model("llama3"),
+    oracle.write_gguf(path, TINY, oracle.random_llama_state(TINY),
                       {"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.Q5_0})
-    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*Q5_0"):
+    with pytest.raises(ValueError, match=r"q5\.gguf.*blk\.1\.ffn_up\.weight.*Q5_0"):
         models.load(path)
+
+
+def test_tiny_gguf_loads(tiny_gguf) -> None:
+    """A valid file written like llama.cpp's converter loads with the config it declares."""
+    model = models.load(tiny_gguf)
+    assert model.config == dataclasses.replace(  # float32 metadata: eps round-trips as float32
+        TINY, max_position_embeddings=256, bos_token_id=1, eos_token_ids=(2,),
+        rms_norm_eps=float(np.float32(TINY.rms_norm_eps)))
+    assert model.encode("hi") == [ord("h"), ord("i")] and model.decode([104, 105]) == "hi"
 
 
 def test_supported_types_dequantize() -> None:
@@ -222,32 +241,41 @@ def test_supported_types_dequantize() -> None:
         assert out.shape == (1, block), qtype.name
 
 
-def tiny_logits(model: models.LanguageModel | None, hf_model, seqs, config=None, params=None):
-    """Eager (un-jitted) forward of a small model vs HF on the same unpadded prompts."""
+def tiny_logits(config: models.LlamaConfig, params, hf_model, seqs: list[list[int]]
+                ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A small model's logits (one right-padded batch) and HF's (each prompt alone)."""
     import torch
 
-    config, params = (model.config, model.params) if model is not None else (config, params)
     tokens, step = right_pad(seqs, max(map(len, seqs)))
-    logits, _ = Llama(config).apply(params, tokens, step, NoCache(), all_logits=True)
+    apply = jax.jit(functools.partial(Llama(config).apply, all_logits=True))
+    logits, _ = apply(params, tokens, step, NoCache())
     ours = [np.asarray(logits[i, : len(s)]) for i, s in enumerate(seqs)]
     with torch.no_grad():
         refs = [hf_model(torch.tensor([s])).logits[0].numpy() for s in seqs]
     return ours, refs
 
 
+@pytest.mark.oracle
 def test_tiny_gguf_matches_hf(tmp_path) -> None:
     """Permuted q/k, ``rope_freqs`` (Llama-3 scaling as llama.cpp stores it), Q8_0 and F16."""
     pytest.importorskip("transformers")
+    from models.hf_loader import config_from_dict
+
     hf_model = oracle.tiny_hf_model("llama3")
     path = str(tmp_path / "tiny-q.gguf")
     q = gguf.GGMLQuantizationType
-    oracle.write_gguf(path, hf_model, {"token_embd.weight": q.Q8_0, "blk.0.attn_q.weight": q.F16,
-                                       "blk.1.attn_k.weight": q.Q8_0})
+    state = oracle.write_gguf(
+        path, config_from_dict(hf_model.config.to_dict()), oracle.hf_state(hf_model),
+        {"token_embd.weight": q.Q8_0, "blk.0.attn_q.weight": q.F16,
+         "blk.1.attn_k.weight": q.Q8_0}, add_bos=True)
+    oracle.set_hf_state(hf_model, state)
     model = models.load(path)
     assert model.config.rope_freq_factors is not None and model.eos_token_ids == (2,)
+    assert model.encode("hi") == [1, ord("h"), ord("i")], "add_bos_token: BOS, then bytes"
+    assert model.decode([ord("h"), ord("i")]) == "hi"
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 256, n).tolist() for n in (70, 9, 1)]
-    compare(*tiny_logits(model, hf_model, seqs))
+    compare(*tiny_logits(model.config, model.params, hf_model, seqs))
 
 
 @pytest.mark.oracle
@@ -265,23 +293,24 @@ def test_hf_folder_round_trip(hf, tmp_path, kind: str) -> None:
     assert model.chat_prompt(chat) == text
     seqs = [model.encode(text), model.encode(PROMPT_TEXTS[1]), model.encode("Hi")]
     assert seqs[0] == hf.tokenizer.encode(text)
-    compare(*tiny_logits(model, hf_model, seqs))
+    compare(*tiny_logits(model.config, model.params, hf_model, seqs))
     if kind == "llama3":
         inv = hf_model.model.rotary_emb.inv_freq.numpy()
         np.testing.assert_allclose(model.config.inv_freq(), inv, rtol=1e-6)
         plain = dataclasses.replace(model.config, rope_scaling=None)
-        ours, refs = tiny_logits(None, hf_model, seqs[:1], plain, model.params)
+        ours, refs = tiny_logits(plain, model.params, hf_model, seqs[:1])
         assert rel_err_rows(ours[0], refs[0]).max() > 100 * TOL, "test blind to RoPE scaling"
 
 
 @pytest.mark.oracle
 def test_hf_greedy_ignores_eos(lm, hf, tmp_path, monkeypatch) -> None:
     """``oracle.hf_greedy`` (batched, left-padded) = a plain argmax loop that never stops."""
-    prompts = [lm.encode(lm.chat_prompt([{"role": "user", "content": "Hi"}])),
+    question = "Reply with exactly one word: yes or no. Is the sky blue?"
+    prompts = [lm.encode(lm.chat_prompt([{"role": "user", "content": question}])),
                lm.encode("def fib(n):")]
     monkeypatch.setattr(oracle, "_cache_dir", str(tmp_path))
-    out = oracle.hf_greedy(prompts, 12)
-    assert oracle.hf_greedy(prompts, 12) == out and len(os.listdir(tmp_path)) == 1
-    assert [len(r) for r in out] == [12, 12]
-    assert any(t in lm.eos_token_ids for t in out[0][:-1]), "prompt no longer reaches EOS"
-    assert out == [oracle.manual_greedy(hf, p, 12) for p in prompts]
+    out = oracle.hf_greedy(prompts, 6)
+    assert oracle.hf_greedy(prompts, 6) == out and len(os.listdir(tmp_path)) == 1
+    assert [len(r) for r in out] == [6, 6]
+    assert any(t in lm.eos_token_ids for t in out[0][:-1]), "prompt no longer reaches EOS early"
+    assert out == [oracle.manual_greedy(hf, p, 6) for p in prompts]

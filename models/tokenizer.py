@@ -1,0 +1,202 @@
+"""Text <-> token ids and chat prompts, from GGUF metadata or an HF ``tokenizer.json``.
+
+The GGUF path rebuilds the byte-level BPE that ``tokenizer.ggml.*`` describes with the
+``tokenizers`` library (Rust, batched), so neither path needs transformers at run time. The chat
+template is rendered with jinja2 in the same sandboxed environment transformers uses, so
+``chat_prompt`` equals HF's ``apply_chat_template(..., tokenize=False)``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import gguf
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_GGUF_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                     "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the spelling of byte-level BPE tokens)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _byte_level(use_regex: bool = True) -> pre_tokenizers.PreTokenizer:
+    """GPT-2 byte mapping, with (``use_regex``) or without GPT-2's own split regex."""
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                    _byte_level(use_regex=False)])
+
+
+# llama.cpp's ``tokenizer.ggml.pre`` -> how text is split before BPE. "smollm" isolates every
+# \p{N} character first (llama.cpp's regex "\p{N}", SmolLM2's ``Digits(individual_digits)``).
+_PRE_TOKENIZERS = {
+    "gpt2": _byte_level, "default": _byte_level,
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "smaug-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
+}
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre not in _PRE_TOKENIZERS:
+        warnings.warn(f"GGUF pre-tokenizer {pre!r} is unknown to paxkv; splitting text the GPT-2 "
+                      "way, which may tokenize some text differently from llama.cpp", stacklevel=3)
+    return _PRE_TOKENIZERS.get(pre, _byte_level)()
+
+
+def _bos_eos_processor(special: dict[str, str], ids: dict[str, int], add_bos: bool,
+                       add_eos: bool) -> processors.TemplateProcessing | None:
+    """The post-processor that adds BOS/EOS around every encoded text, if the file asks for it."""
+    wanted = [name for name, on in (("bos_token", add_bos), ("eos_token", add_eos)) if on]
+    if not wanted:
+        return None
+    missing = [name for name in wanted if name not in special]
+    if missing:
+        raise ValueError(f"GGUF asks to add {missing} but defines no such token id")
+    single = " ".join(([special["bos_token"]] if add_bos else []) + ["$A"]
+                      + ([special["eos_token"]] if add_eos else []))
+    return processors.TemplateProcessing(
+        single=single, special_tokens=[(special[n], ids[n]) for n in wanted])
+
+
+class Tokenizer:
+    """Encodes, decodes and renders chat prompts for one model.
+
+    Attributes:
+      backend: the ``tokenizers.Tokenizer`` (batched encode lives there).
+      chat_template: jinja2 source, or ``None`` when the checkpoint has none.
+      special_tokens: ``bos_token``/``eos_token``/... -> token text, passed to the template.
+    """
+
+    def __init__(self, backend: Backend, chat_template: str | None,
+                 special_tokens: dict[str, str]) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> "Tokenizer":
+        """Byte-level BPE (``tokenizer.ggml.model == "gpt2"``) from a GGUF file's metadata."""
+        field = lambda key: (f.contents() if (f := reader.fields.get(key)) else None)  # noqa: E731
+        kind = field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', "
+                             "byte-level BPE)")
+        tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type") or []
+        alphabet = byte_alphabet()
+        spelled = set(alphabet.values())
+        vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode())): i
+                 for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
+        backend = Backend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, ty in zip(tokens, types) if ty == _CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        ids = {name: int(i) for name, key in _GGUF_SPECIAL_IDS.items()
+               if (i := field(f"tokenizer.ggml.{key}")) is not None}
+        special = {name: tokens[i] for name, i in ids.items()}
+        processor = _bos_eos_processor(special, ids, bool(field("tokenizer.ggml.add_bos_token")),
+                                       bool(field("tokenizer.ggml.add_eos_token")))
+        if processor is not None:
+            backend.post_processor = processor
+        return cls(backend, field("tokenizer.chat_template"), special)
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | os.PathLike) -> "Tokenizer":
+        """``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``)."""
+        folder = os.fspath(folder)
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no tokenizer.json in {folder!r}")
+        backend = Backend.from_file(path)
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        config: dict[str, Any] = {}
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        jinja_path = os.path.join(folder, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        special = {}
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = config.get(name)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if value is not None:
+                special[name] = value
+        return cls(backend, template, special)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with BOS/EOS only where the checkpoint asks for them."""
+        return self.backend.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Many texts at once (parallel in Rust)."""
+        return [e.ids for e in self.backend.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens included (so round trips are exact)."""
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> str:
+        """Renders ``[{"role": ..., "content": ...}, ...]`` with the model's chat template."""
+        if self.chat_template is None:
+            raise ValueError("this checkpoint has no chat template")
+        return _compile(self.chat_template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            **self.special_tokens)
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    """Compiles the template as transformers does (sandboxed, trim/lstrip blocks, loopcontrols)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
+        sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                                    separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
