@@ -159,7 +159,7 @@ def reserve(table: PageTable, num_new: jax.Array, *, max_new: int,
     len_hi = (empty - 1).at[page_or_oob].max(lengths, mode="drop")
     at_last = functools.partial(jnp.take, indices=last_page, mode="fill", fill_value=-2)
     all_write = (at_last(writers) == refs) & (at_last(len_lo) == at_last(len_hi))
-    keeps = all_write & (at_last(keeper) == rows)
+    keeps = all_write & (at_last(keeper) == rows) & (num_new > 0)  # explicit COW: all copy
     needs_copy = writes_last & (refs > 1) & ~keeps
     need = growth + needs_copy.astype(jnp.int32)
 
@@ -168,7 +168,9 @@ def reserve(table: PageTable, num_new: jax.Array, *, max_new: int,
     free_ids = _free_page_ids(table.ref_counts, alloc_limit, oob)
     num_free = jnp.minimum(jnp.sum(table.ref_counts == 0), alloc_limit)
     want = jnp.where(fits, need, 0)
-    ok = fits & (jnp.cumsum(want) <= num_free)
+    # NOTE: a row needing no page (num_new = 0, or room in its own last page) is never
+    # blocked; a row needing pages is, once an earlier row's request no longer fits.
+    ok = fits & ((need == 0) | (jnp.cumsum(want) <= num_free))
     granted = jnp.where(ok, need, 0)
     first_rank = jnp.cumsum(granted) - granted  # [s]: where each row's pages start in free_ids
     total = jnp.sum(granted)
@@ -313,3 +315,110 @@ def stats(table: PageTable) -> TableStats:
         internal_fragmentation=jnp.where(
             capacity > 0, 1.0 - filled / jnp.maximum(capacity, 1), 0.0).astype(jnp.float32),
         active_seqs=jnp.sum(table.active))
+
+
+def reorder(table: PageTable, parents: jax.Array) -> tuple[PageTable, jax.Array]:
+    """Row ``b`` becomes a copy of row ``parents[b]`` (beam search's reorder), moving only
+    block-table rows and ref counts: no KV is copied. A row may be the parent of several rows
+    or of none; rows with ``parents[b] == -1`` (or an inactive parent) are released.
+
+    Args:
+      parents: int32 ``[max_seqs]``.
+
+    Returns:
+      ``(table, ok)``: ``ok`` bool ``[max_seqs]`` marks rows that now copy an active parent.
+      Pages no longer referenced are free in the returned table.
+    """
+    parents = jnp.asarray(parents, jnp.int32)
+    s, oob = table.max_seqs, table.num_pages + 1
+    p = jnp.clip(parents, 0, s - 1)
+    ok = (parents >= 0) & (parents < s) & table.active[p]
+    block_tables = jnp.where(ok[:, None], table.block_tables[p], table.sentinel)
+    gained = jnp.where(ok[:, None], block_tables, oob)
+    lost = jnp.where(table.active[:, None], table.block_tables, oob)
+    ref_counts = (table.ref_counts.at[gained].add(1, mode="drop")
+                  .at[lost].add(-1, mode="drop"))
+    return dataclasses.replace(
+        table, block_tables=block_tables, ref_counts=ref_counts,
+        lengths=jnp.where(ok, table.lengths[p], 0), active=ok), ok
+
+
+def attach(table: PageTable, rows: jax.Array, pages: jax.Array,
+           lengths: jax.Array) -> tuple[PageTable, jax.Array]:
+    """Each inactive ``rows[i]`` becomes a sequence of ``lengths[i]`` tokens already stored in
+    pages that someone holds (a prefix-cache hit): no KV moves, the pages' ref counts go up.
+
+    A partly filled last page stays shared until the row's first write copies it
+    (:func:`reserve`), so a hit may end mid-page::
+
+        pages[i] = [ 4, 9, 1 ]   lengths[i] = 37, page_size 16  ->  row: [4, 9, 1, S, ...]
+                                 slots 32..36 of page 1 are the row's; 37.. belong to others
+
+    Args:
+      rows: int32 ``[k]`` row ids.
+      pages: int32 ``[k, w]`` (``w <= max_pages_per_seq``): the row's first pages in order;
+        cells from ``ceil(lengths[i] / page_size)`` on are ignored.
+      lengths: int32 ``[k]``.
+
+    Returns:
+      ``(table, ok)``: ``ok[i]`` is True when the row was in range, inactive and named once,
+      ``1 <= lengths[i] <= max_len``, and every page it needs is a real page with a holder;
+      failed pairs change nothing.
+    """
+    rows = jnp.asarray(rows, jnp.int32)
+    pages = jnp.asarray(pages, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    s, w, oob = table.max_seqs, pages.shape[1], table.num_pages + 1
+    if w > table.max_pages_per_seq:
+        raise ValueError(f"pages has {w} columns but a row holds at most "
+                         f"{table.max_pages_per_seq}")
+    in_range = (rows >= 0) & (rows < s)
+    r = jnp.clip(rows, 0, s - 1)
+    uses = jnp.zeros((s,), jnp.int32).at[jnp.where(in_range, r, s)].add(1, mode="drop")
+    used = jnp.arange(w, dtype=jnp.int32)[None, :] < _cdiv(lengths, table.page_size)[:, None]
+    real = (pages >= 0) & (pages < table.num_pages)
+    held = jnp.take(table.ref_counts, jnp.clip(pages, 0, table.num_pages - 1)) > 0
+    ok = (in_range & ~table.active[r] & (uses[r] == 1) & (lengths >= 1)
+          & (lengths <= jnp.minimum(table.max_len, w * table.page_size))
+          & jnp.all(~used | (real & held), axis=1))
+    cells = jnp.where(used, pages, table.sentinel)
+    row_cells = jnp.full((rows.shape[0], table.max_pages_per_seq), table.sentinel, jnp.int32)
+    row_cells = row_cells.at[:, :w].set(cells)
+    target = jnp.where(ok, r, s)  # failed pairs scatter out of range and are dropped
+    gained = jnp.where(ok[:, None] & used, pages, oob)
+    return dataclasses.replace(
+        table, block_tables=table.block_tables.at[target].set(row_cells, mode="drop"),
+        ref_counts=table.ref_counts.at[gained].add(1, mode="drop"),
+        lengths=table.lengths.at[target].set(lengths, mode="drop"),
+        active=table.active.at[target].set(True, mode="drop")), ok
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharingStats:
+    """Who shares what (int32).
+
+    Attributes:
+      pages_held: ``[max_seqs]``: pages each row references.
+      shared_held: ``[max_seqs]``: of those, pages with another holder too (a row or an
+        external holder such as the prefix index).
+      row_references: scalar: block-table entries over all rows, i.e. the pages the rows
+        would use if nothing were shared.
+      row_pages: scalar: distinct pages the rows reference.
+    """
+
+    pages_held: jax.Array
+    shared_held: jax.Array
+    row_references: jax.Array
+    row_pages: jax.Array
+
+
+def sharing_stats(table: PageTable) -> SharingStats:
+    """Per-row shared pages and what sharing saves (see :class:`SharingStats`)."""
+    held = table.pages_held()
+    cells = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :] < held[:, None]
+    refs = jnp.take(table.ref_counts, table.block_tables, mode="fill", fill_value=0)
+    row_refs = jnp.zeros((table.num_pages,), jnp.int32).at[
+        jnp.where(cells, table.block_tables, table.num_pages + 1)].add(1, mode="drop")
+    return SharingStats(pages_held=held, shared_held=jnp.sum(cells & (refs > 1), axis=1),
+                        row_references=jnp.sum(held), row_pages=jnp.sum(row_refs > 0))
