@@ -116,9 +116,10 @@ class ModelAllocator:
         """Reserved slots not yet written."""
         return self.lengths[b] - len(self.tokens[b])
 
-    def _needs_copy(self, writes_last: list[bool]) -> list[bool]:
+    def _needs_copy(self, writes_last: list[bool], num_new: list[int]) -> list[bool]:
         """Copy-on-write rule: a row writing into a shared partial last page copies it, except
-        that when every holder writes and all have the same length the highest row keeps it."""
+        that when every holder writes tokens (not an explicit copy-on-write) and all have the
+        same length, the highest row keeps it."""
         refs = self.ref_counts()
         writers = collections.defaultdict(list)
         for b, w in enumerate(writes_last):
@@ -132,7 +133,7 @@ class ModelAllocator:
                 continue
             group = writers[page]
             keeps = (len(group) == refs[page] and len({self.lengths[g] for g in group}) == 1
-                     and b == max(group))
+                     and b == max(group) and num_new[b] > 0)
             out.append(not keeps)
         return out
 
@@ -148,7 +149,7 @@ class ModelAllocator:
         free = self.free_pages()
         writes_last = [(n > 0 or c) and length % ps != 0
                        for n, c, length in zip(num_new, cow, self.lengths)]
-        needs_copy = self._needs_copy(writes_last)
+        needs_copy = self._needs_copy(writes_last, num_new)
         ok, fresh, copies, queued = [], [], {}, 0
         for b, n in enumerate(num_new):
             length = self.lengths[b]

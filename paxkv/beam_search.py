@@ -1,0 +1,317 @@
+"""Beam search over a paged (or dense) KV cache: one prefill per prompt, then one compiled loop.
+
+    beams = paxkv.beam_search(lm, ["Write a haiku."], beam_width=4, max_new_tokens=32)
+    beams[0][0].token_ids, beams[0][0].score          # prompt 0's best beam
+
+Rows are prompts x beams: beam ``w`` of prompt ``p`` lives in cache row ``p * W + w``. Each
+prompt is prefilled once into row ``p * W`` and forked into its other ``W - 1`` rows (all pages
+shared; the partial last page is copied on first write only). Then one ``lax.while_loop``, with
+the cache donated, repeats::
+
+    decode P*W rows -> log-softmax -> top-K of the W x V candidates of each prompt (K = 2W, or
+    (1 + number of stop ids) * W) -> finished hypotheses scored, W survivors kept
+    -> cache.reorder(parents): surviving row b continues row parents[b]
+
+The paged ``reorder`` moves block-table rows and ref counts (a dead beam's pages are free in
+that same step; no KV moves); the dense one copies whole KV rows, every layer, every step.
+
+Scoring is HF transformers 5.24 ``generate(num_beams=W, do_sample=False)``'s: a hypothesis that
+ends after ``n`` generated tokens (its stop token counted; or the ``max_new_tokens``-th token)
+scores ``sum(log p) / n ** length_penalty``; only the best W of the K candidates may finish; a
+prompt stops when W hypotheses are finished and ``early_stopping`` is True, or (False) when the
+best running beam's sum divided by ``n ** length_penalty`` (``max_new_tokens`` in place of ``n``
+for "never" with a positive penalty) cannot beat the worst finished score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxkv import dense_cache, paged_cache
+from paxkv.step_info import StepInfo
+
+NEG = -1.0e9  # HF's "impossible" score: added, not assigned, exactly as HF does
+_EARLY = {False: 0, True: 1, "never": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Beam:
+    """A finished hypothesis: the generated ``token_ids`` (a stop token included) and its
+    ``score`` (sum of log-probs / ``len(token_ids) ** length_penalty``)."""
+
+    token_ids: list[int]
+    score: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """Beams per prompt (best first) and what the cache did: ``peak_pages`` in use at once
+    (dense: rows x page-equivalents of ``max_len``) vs ``unshared_pages`` (W private copies of
+    prompt + output); pages the reorders freed; ``stale_pages``: the most pages held by no live
+    row right after any reorder (0 = dead beams freed at once); ``all_free`` at the end."""
+
+    beams: list[list[Beam]]
+    steps: int
+    peak_pages: int
+    unshared_pages: int
+    pages_freed_by_reorder: int
+    stale_pages: int
+    all_free: bool
+    num_pages: int
+    prefill_s: float
+    loop_s: float
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Beams:
+    """Search state for P prompts x W beams, N = ``max_new_tokens``.
+
+    Attributes:
+      run_tokens: int32 ``[P, W, N]``; run_scores: float32 ``[P, W]``: running beams (log-prob
+        sums), best first.
+      fin_tokens: int32 ``[P, W, N]``; fin_scores: float32 ``[P, W]`` (length-penalised);
+        fin_lens: int32 ``[P, W]``; is_fin: bool ``[P, W]``: the best finished hypotheses.
+      open_: bool ``[P]``: the finished list can still improve (HF's heuristic unsatisfied).
+      t: int32 ``[]``: tokens each running beam holds.  done: bool ``[]``.
+    """
+
+    run_tokens: jax.Array
+    run_scores: jax.Array
+    fin_tokens: jax.Array
+    fin_scores: jax.Array
+    fin_lens: jax.Array
+    is_fin: jax.Array
+    open_: jax.Array
+    t: jax.Array
+    done: jax.Array
+
+    @classmethod
+    def start(cls, p: int, w: int, n: int) -> "_Beams":
+        zeros = jnp.zeros((p, w, n), jnp.int32)
+        run_scores = jnp.full((p, w), NEG, jnp.float32).at[:, 0].set(0.0)  # only beam 0 seeds
+        return cls(zeros, run_scores, zeros, jnp.full((p, w), NEG, jnp.float32),
+                   jnp.zeros((p, w), jnp.int32), jnp.zeros((p, w), bool), jnp.ones((p,), bool),
+                   jnp.zeros((), jnp.int32), jnp.zeros((), bool))
+
+
+def _gather(a: jax.Array, idx: jax.Array) -> jax.Array:
+    """``a [P, M, ...]`` indexed along axis 1 by ``idx [P, k]`` -> ``[P, k, ...]``."""
+    return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
+def _select(b: _Beams, logp: jax.Array, stop_ids: jax.Array, lp: jax.Array, early: jax.Array
+            ) -> tuple[_Beams, jax.Array]:
+    """One beam step from log-probs ``[P, W, V]``; returns the new state and each survivor's
+    parent beam int32 ``[P, W]``."""
+    p, w, v = logp.shape
+    n_max = b.run_tokens.shape[2]
+    k = max(2, 1 + stop_ids.shape[0]) * w
+    top, idx = jax.lax.top_k((logp + b.run_scores[..., None]).reshape(p, w * v), k)  # [P, K]
+    src, tok = idx // v, idx % v
+    seqs = _gather(b.run_tokens, src).at[:, :, b.t].set(tok)  # [P, K, N]
+    n = b.t + 1
+    hits = jnp.any(tok[..., None] == stop_ids, axis=-1) | (n >= n_max)  # [P, K]
+    # Survivors: the best W candidates that did not just end.
+    run_scores, keep = jax.lax.top_k(top + jnp.where(hits, NEG, 0.0), w)
+    # Finished: only the best W candidates may enter, and only while the list can improve.
+    just = hits & (jnp.arange(k) < w)[None, :]
+    full = jnp.all(b.is_fin, axis=1, keepdims=True) & (early == 1)
+    fin = (top / jnp.power(n.astype(jnp.float32), lp) + jnp.where(full, NEG, 0.0)
+           + jnp.where(b.open_[:, None], 0.0, NEG) + jnp.where(just, 0.0, NEG))
+    fin_scores, pick = jax.lax.top_k(jnp.concatenate([b.fin_scores, fin], axis=1), w)
+    merged = lambda old, new: _gather(jnp.concatenate([old, new], axis=1), pick)
+    fin_tokens = merged(b.fin_tokens, seqs)
+    fin_lens = merged(b.fin_lens, jnp.broadcast_to(n, (p, k)))
+    is_fin = merged(b.is_fin, just)
+    # HF's heuristic: can the best running beam still beat the worst finished hypothesis?
+    hyp_len = jnp.where((early == 2) & (lp > 0), n_max, n).astype(jnp.float32)
+    best = run_scores[:, :1] / jnp.power(hyp_len, lp)
+    worst = jnp.where(is_fin, jnp.min(fin_scores, axis=1, keepdims=True), NEG)
+    open_ = b.open_ & jnp.any(best > worst, axis=1)
+    done = (~jnp.any(open_) | (jnp.all(is_fin) & (early == 1)) | jnp.all(hits))
+    return _Beams(_gather(seqs, keep), run_scores, fin_tokens, fin_scores, fin_lens, is_fin,
+                  open_, n, done), _gather(src, keep)
+
+
+def _pages_used(cache: Any) -> jax.Array:
+    """int32 ``[]``: pages held (dense: slots reserved by active rows)."""
+    table = getattr(cache, "table", None)
+    return jnp.sum(cache.active) * cache.max_len if table is None else jnp.sum(
+        table.ref_counts > 0)
+
+
+def _stale(cache: Any) -> jax.Array:
+    """int32 ``[]``: pages with a reference but no live row pointing at them (0 if dense)."""
+    table = getattr(cache, "table", None)
+    if table is None:
+        return jnp.zeros((), jnp.int32)
+    seen = jnp.zeros((table.num_pages + 1,), bool).at[table.block_tables].set(True)
+    return jnp.sum(table.ref_counts > 0) - jnp.sum(seen[: table.num_pages])
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "beam_width", "attention_impl"),
+                   donate_argnames=("cache",))
+def _prefill_fork(forward, params, cache, tokens, prompt_lens, *, beam_width, attention_impl):
+    """Prefills prompt ``i`` (tokens int32 ``[P, T]``, ``prompt_lens [P]``) into row ``i * W``
+    and forks it into rows ``i * W + 1 .. i * W + W - 1``. Returns ``(cache, log-probs [P, V],
+    ok [])``."""
+    p = tokens.shape[0]
+    rows = jnp.arange(p, dtype=jnp.int32) * beam_width
+    cache, ok = cache.reserve(jnp.zeros((cache.max_seqs,), jnp.int32).at[rows].set(prompt_lens),
+                              max_new=tokens.shape[1])
+    step = StepInfo.make(cache.lengths[rows], prompt_lens, tokens.shape[1], rows=rows)
+    logits, cache = forward(params, tokens, step, cache, attention_impl=attention_impl)
+    children = jnp.arange(cache.max_seqs, dtype=jnp.int32).reshape(p, beam_width)[:, 1:]
+    parents = jnp.broadcast_to(rows[:, None], children.shape)
+    cache, forked = cache.fork(parents.reshape(-1), children.reshape(-1))
+    return cache, jax.nn.log_softmax(logits, axis=-1), jnp.all(ok[rows]) & jnp.all(forked)
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "max_new_tokens", "attention_impl"),
+                   donate_argnames=("cache",))
+def _search(forward, params, cache, logp0, stop_ids, length_penalty, early, *,
+            max_new_tokens, attention_impl):
+    """The compiled loop. ``logp0 [P, V]``: prefill log-probs; the cache holds P x W forked rows.
+
+    Returns ``(cache with every row released, final _Beams, stats int32 [5]: steps, peak
+    pages, pages freed by reorders, max stale pages, 1 if the pool ran dry)``.
+    """
+    p, s = logp0.shape[0], cache.max_seqs
+    w = s // p
+    base = jnp.arange(p, dtype=jnp.int32)[:, None] * w
+
+    def advance(cache, beams, logp, stats):
+        beams, parents = _select(beams, logp, stop_ids, length_penalty, early)
+        before = _pages_used(cache)
+        cache, _ = cache.reorder((base + parents).reshape(-1))
+        stats = stats.at[2].add(jnp.maximum(before - _pages_used(cache), 0))
+        return cache, beams, stats.at[3].max(_stale(cache))
+
+    def body(carry):
+        cache, beams, stats = carry
+        cache, ok = cache.reserve(jnp.ones((s,), jnp.int32), max_new=1)
+        step = StepInfo.make(cache.lengths, ok.astype(jnp.int32), 1)
+        last = beams.run_tokens[:, :, beams.t - 1].reshape(s, 1)
+        logits, cache = forward(params, last, step, cache, attention_impl=attention_impl)
+        stats = stats.at[0].add(1).at[1].max(_pages_used(cache)).at[4].max(
+            jnp.any(~ok).astype(jnp.int32))
+        logp = jax.nn.log_softmax(logits, axis=-1).reshape(p, w, -1)
+        cache, beams, stats = advance(cache, beams, logp, stats)
+        return cache, dataclasses.replace(beams, done=beams.done | (stats[4] > 0)), stats
+
+    stats = jnp.zeros((5,), jnp.int32).at[1].set(_pages_used(cache))
+    beams = _Beams.start(p, w, max_new_tokens)
+    logp = jnp.broadcast_to(logp0[:, None, :], (p, w, logp0.shape[1]))
+    cache, beams, stats = advance(cache, beams, logp, stats)
+    cache, beams, stats = jax.lax.while_loop(lambda c: ~c[1].done, body, (cache, beams, stats))
+    cache, _ = cache.release(jnp.ones((s,), bool))
+    return cache, beams, stats
+
+
+def _check(beam_width, max_new_tokens, early_stopping, cache, page_size) -> None:
+    for name, v in (("beam_width", beam_width), ("max_new_tokens", max_new_tokens),
+                    ("page_size", page_size)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if not (early_stopping is True or early_stopping is False or early_stopping == "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if cache not in ("paged", "dense"):
+        raise ValueError(f"cache must be 'paged' or 'dense', got {cache!r}")
+
+
+def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
+           max_new_tokens: int, length_penalty: float = 1.0, early_stopping: bool | str = False,
+           stop_token_ids: Sequence[int] | None = None, cache: str = "paged",
+           page_size: int = 16, attention_impl: str = "auto") -> SearchResult:
+    """Beam search for one batch of prompts (rows = prompts x beams); see :func:`beam_search`.
+
+    The paged pool holds ``ceil(T / page_size) + W * (ceil(N / page_size) + 1)`` pages per
+    prompt (``T``: the prompt bucket): the worst case, whatever the beams share.
+    """
+    _check(beam_width, max_new_tokens, early_stopping, cache, page_size)
+    if attention_impl == "auto":
+        attention_impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    cfg, p, w, n, ps = lm.config, len(prompt_ids), beam_width, max_new_tokens, page_size
+    stops = tuple(lm.eos_token_ids) if stop_token_ids is None else tuple(stop_token_ids)
+    lens = [len(x) for x in prompt_ids]
+    width = max(16, 1 << (max(lens) - 1).bit_length())  # prompt bucket: few compiled shapes
+    tokens = np.zeros((p, width), np.int32)
+    for i, x in enumerate(prompt_ids):
+        tokens[i, : len(x)] = x
+    max_len = -(-(width + n) // ps) * ps
+    dims = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                max_seqs=p * w, max_len=max_len)
+    num_pages = p * (-(-width // ps) + w * (-(-n // ps) + 1))
+    kv = (paged_cache.create(num_pages=num_pages, page_size=ps, **dims) if cache == "paged"
+          else dense_cache.create(**dims))
+    start = time.perf_counter()
+    kv, logp0, ok = _prefill_fork(lm.forward, lm.params, kv, jnp.asarray(tokens),
+                                  jnp.asarray(lens, jnp.int32), beam_width=w,
+                                  attention_impl=attention_impl)
+    if not bool(ok):
+        raise RuntimeError("prefill or fork failed: the pool is too small (a bug in sizing)")
+    mid = time.perf_counter()
+    kv, beams, stats = _search(
+        lm.forward, lm.params, kv, logp0, jnp.asarray(stops, jnp.int32).reshape(-1),
+        jnp.float32(length_penalty), jnp.int32(_EARLY[early_stopping]), max_new_tokens=n,
+        attention_impl=attention_impl)
+    stats, loop_s = np.asarray(stats), time.perf_counter() - mid
+    if stats[4]:
+        raise RuntimeError("beam search ran out of KV pages (a bug in pool sizing)")
+    table = getattr(kv, "table", None)
+    all_free = not bool(jnp.any(kv.active)) and (table is None or not bool(jnp.any(
+        table.ref_counts)))
+    toks, scores, flens, fin = (np.asarray(a) for a in (
+        beams.fin_tokens, beams.fin_scores, beams.fin_lens, beams.is_fin))
+    out = [[Beam([int(t) for t in toks[i, j, : flens[i, j]]], float(scores[i, j]))
+            for j in range(w) if fin[i, j]] for i in range(p)]
+    return SearchResult(
+        out, int(stats[0]), int(stats[1]) // (ps if table is None else 1),
+        sum(w * -(-(x + n) // ps) for x in lens), int(stats[2]), int(stats[3]), all_free,
+        num_pages if table is not None else p * w * max_len // ps, mid - start, loop_s)
+
+
+def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: int,
+                max_new_tokens: int, length_penalty: float = 1.0,
+                early_stopping: bool | str = False, stop_token_ids: Sequence[int] | None = None,
+                cache: str = "paged", page_size: int = 16, prompts_per_batch: int | None = None,
+                attention_impl: str = "auto") -> list[list[Beam]]:
+    """Beam search, HF-``generate(num_beams=beam_width)``-compatible, in one compiled loop.
+
+    Args:
+      lm: a ``models.LanguageModel``.
+      prompts: strings (tokenised as they are) or token-id lists.
+      beam_width: beams per prompt (W).
+      max_new_tokens: the most tokens a hypothesis may have (N).
+      length_penalty: finished scores are ``sum log p / len ** length_penalty``.
+      early_stopping: True, False or "never" (HF's meanings; see the module docstring).
+      stop_token_ids: ids that end a hypothesis; None = the model's EOS ids; ``[]`` = none.
+      cache: "paged" (reorder moves block-table rows) or "dense" (reorder copies KV rows).
+      page_size: tokens per page (paged).
+      prompts_per_batch: prompts searched together (rows = prompts x W); None = all at once.
+
+    Returns:
+      Per prompt, its W best finished beams, best first.
+    """
+    _check(beam_width, max_new_tokens, early_stopping, cache, page_size)
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("prompts must be a list of strings or of token-id lists")
+    ids = [lm.encode(x) if isinstance(x, str) else [int(t) for t in x] for x in prompts]
+    if any(not x for x in ids):
+        raise ValueError("every prompt needs at least one token")
+    step = prompts_per_batch or max(1, len(ids))
+    out: list[list[Beam]] = []
+    for i in range(0, len(ids), step):
+        out += search(lm, ids[i: i + step], beam_width=beam_width,
+                      max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                      early_stopping=early_stopping, stop_token_ids=stop_token_ids,
+                      cache=cache, page_size=page_size, attention_impl=attention_impl).beams
+    return out
