@@ -5,9 +5,15 @@ the GQA group together, so each K/V page is read once per kv head::
 
     split s of sequence b: blocks [s*bps, (s+1)*bps) of T = pages_per_block * page_size tokens
 
-    block_tables[b]  -> page ids (read one by one from GMEM inside the kernel)
-    k_pages[page, h] -> TMA copy -> k_smem[slot, i*page_size : (i+1)*page_size]   (same for V)
-                        slot = block % 2: block j+1 is in flight while block j is computed
+    block_tables[b]         -> page ids (read one by one from GMEM inside the kernel)
+    k_pages[layer, page, h] -> TMA copy -> k_smem[slot, i*page_size : (i+1)*page_size]   (V too)
+                               slot = block % 2: block j+1 is in flight while block j is computed
+
+Pages are one layer ``[num_pages, kv_heads, page_size, head_dim]``, or with ``layer=`` (an int32
+scalar the kernel reads from GMEM, like the block table) the whole pool ``[num_layers,
+num_pages, ...]``: a model scanning over layers then hands the pool straight to the custom call,
+where ``pool[layer]`` would make XLA copy a whole layer of K/V into a fresh buffer first. Inside
+the kernel both are 5-D: one layer is a pool of one (a free reshape) read at layer 0.
 
 Each block: scores ``[T]`` per query head on CUDA cores (see ``_interpret.py`` for why not
 WGMMA), online softmax with float32 running max / sum / accumulator in SMEM. A split writes
@@ -42,7 +48,8 @@ _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 class KVTiles:
     """Static geometry of the paged K/V stream (shared with the prefill kernel)."""
 
-    num_pages: int
+    num_layers: int
+    num_pages: int  # per layer
     max_pages: int  # block-table width
     page_size: int
     pages_per_block: int
@@ -68,20 +75,36 @@ class KVTiles:
         return [buf, buf, plgpu.Barrier(num_arrivals=2 * self.pages_per_block, num_barriers=2)]
 
 
-def validate_kv(k_pages, v_pages, block_tables, pages_per_block: int) -> KVTiles:
-    """Trace-time checks shared by the attention kernels; errors say what to change."""
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError("k_pages and v_pages must both be [num_pages, num_kv_heads, page_size,"
+def pool_operands(k_pages, v_pages, layer):
+    """-> ``(k_pool, v_pool, layer_arr)``: 5-D pools and int32 ``[1]``, what every kernel takes.
+
+    ``layer=None``: one layer's 4-D pages become a pool of one layer (a bitcast, no copy).
+    """
+    ndim = 4 if layer is None else 5
+    if k_pages.ndim != ndim or k_pages.shape != v_pages.shape:
+        want = "[num_pages, " if layer is None else "with layer=: [num_layers, num_pages, "
+        raise ValueError(f"k_pages and v_pages must both be {want}num_kv_heads, page_size,"
                          f" head_dim]; got {k_pages.shape} and {v_pages.shape}")
+    if layer is None:
+        return k_pages[None], v_pages[None], jnp.zeros((1,), jnp.int32)
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar; got {jnp.result_type(layer)}"
+                         f"{list(jnp.shape(layer))}")
+    return k_pages, v_pages, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+
+
+def validate_kv(k_pages, v_pages, block_tables, pages_per_block: int) -> KVTiles:
+    """Trace-time checks shared by the attention kernels on the 5-D pools of
+    :func:`pool_operands`; errors say what to change."""
     if k_pages.dtype != v_pages.dtype or k_pages.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"k_pages/v_pages dtypes {k_pages.dtype}/{v_pages.dtype}: use one of"
                          " float32, bfloat16, float16 for both")
     if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
         raise ValueError("block_tables must be int32 [batch, max_pages_per_seq]; got"
                          f" {block_tables.dtype}{list(block_tables.shape)}")
-    num_pages, _, page_size, head_dim = k_pages.shape
-    tiles = KVTiles(num_pages, block_tables.shape[1], page_size, pages_per_block, head_dim,
-                    jnp.dtype(k_pages.dtype))
+    num_layers, num_pages, _, page_size, head_dim = k_pages.shape
+    tiles = KVTiles(num_layers, num_pages, block_tables.shape[1], page_size, pages_per_block,
+                    head_dim, jnp.dtype(k_pages.dtype))
     if page_size % 8:
         raise ValueError(f"page_size={page_size} must be a multiple of 8 (SMEM row tiling)")
     if tiles.block_tokens % _ROW_ALIGN:
@@ -101,9 +124,14 @@ def default_pages_per_block(page_size: int) -> int:
 # ---------------------------------------------------------------- kernel building blocks
 
 
-def fetch_block(tiles: KVTiles, refs, b, h, block, live_pages, slot) -> None:
-    """Starts the TMA copies of block ``block`` into ``slot``; pages past ``live_pages`` are
-    not read (their share of the barrier is arrived without data)."""
+def read_layer(tiles: KVTiles, layer_ref):
+    """The layer to read, clipped so that no DMA ever leaves the pool."""
+    return jnp.clip(layer_ref[0], 0, tiles.num_layers - 1)
+
+
+def fetch_block(tiles: KVTiles, refs, layer, b, h, block, live_pages, slot) -> None:
+    """Starts the TMA copies of block ``block`` of ``layer`` into ``slot``; pages past
+    ``live_pages`` are not read (their share of the barrier is arrived without data)."""
     k_ref, v_ref, bt_ref, k_smem, v_smem, bars = refs
     s = tiles.page_size
     for i in range(tiles.pages_per_block):
@@ -113,8 +141,10 @@ def fetch_block(tiles: KVTiles, refs, b, h, block, live_pages, slot) -> None:
         def _copy():
             page = jnp.clip(bt_ref[b, j], 0, tiles.num_pages - 1)  # never DMA out of the pool
             dst = pl.ds(i * s, s)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, h], k_smem.at[slot, dst], bars.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, h], v_smem.at[slot, dst], bars.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[layer, page, h], k_smem.at[slot, dst],
+                                    bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[layer, page, h], v_smem.at[slot, dst],
+                                    bars.at[slot])
 
         @pl.when(j >= live_pages)
         def _skip():
@@ -176,12 +206,12 @@ class _DecodeSpec:
     soft_cap: float | None
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, acc_out, stats_out,
+def _decode_kernel(q_ref, k_ref, v_ref, layer_ref, bt_ref, len_ref, acc_out, stats_out,
                    q_smem, k_smem, v_smem, acc_smem, stats_smem, q_bar, kv_bars,
                    *, spec: _DecodeSpec, lay: _interpret.Layouts):
     # q_ref:      [batch, kv_heads, group, head_dim]              GMEM, storage dtype
-    # k_ref/v_ref:[num_pages, kv_heads, page_size, head_dim]      GMEM
-    # bt_ref:     int32 [batch, max_pages]; len_ref: int32 [batch] GMEM
+    # k_ref/v_ref:[layers, num_pages, kv_heads, page_size, head_dim] GMEM (the whole pool)
+    # layer_ref:  int32 [1]; bt_ref: int32 [batch, max_pages]; len_ref: int32 [batch]  GMEM
     # acc_out:    f32 [batch, kv_heads, splits, group, head_dim]  unnormalised partial sums
     # stats_out:  f32 [batch, kv_heads, splits, 2, group_pad]     (running max, running sum)
     # q_smem:     [group, head_dim]; k_smem/v_smem: [2, T, head_dim] (tiled, swizzled)
@@ -193,12 +223,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, acc_out, stats_out,
     live_pages = pl.cdiv(length, tiles.page_size)
     first = split * spec.blocks_per_split
     n_blocks = jnp.clip(pl.cdiv(length, tiles.block_tokens) - first, 0, spec.blocks_per_split)
+    layer = read_layer(tiles, layer_ref)
     refs = (k_ref, v_ref, bt_ref, k_smem, v_smem, kv_bars)
 
     @pl.when(n_blocks > 0)
     def _start():
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
-        fetch_block(tiles, refs, b, h, first, live_pages, 0)
+        fetch_block(tiles, refs, layer, b, h, first, live_pages, 0)
 
     zero_rows(lay, acc_smem, 0, spec.group, tiles.head_dim)
     pl.when(n_blocks > 0)(lambda: plgpu.barrier_wait(q_bar.at[0]))
@@ -209,7 +240,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, acc_out, stats_out,
         @pl.when(j + 1 < n_blocks)
         def _prefetch():
             plgpu.commit_smem()  # every thread is done reading the slot about to be refilled
-            fetch_block(tiles, refs, b, h, first + j + 1, live_pages, 1 - slot)
+            fetch_block(tiles, refs, layer, b, h, first + j + 1, live_pages, 1 - slot)
 
         plgpu.barrier_wait(kv_bars.at[slot])
         k, v, kpos = load_block(tiles, lay, k_smem, v_smem, slot,
@@ -278,15 +309,18 @@ def auto_num_splits(batch: int, num_kv_heads: int, total_blocks: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "logit_soft_cap", "pages_per_block", "num_splits", "interpret"))
-def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
-                           logit_soft_cap=None, pages_per_block=None, num_splits=None,
-                           interpret=False):
+def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, layer=None,
+                           sm_scale=None, logit_soft_cap=None, pages_per_block=None,
+                           num_splits=None, interpret=False):
     """One query token per sequence attending to its ``lengths[b]`` paged tokens.
 
     Args:
       q: ``[batch, num_q_heads, head_dim]``; query head ``i`` reads kv head ``i // group``.
-      k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]``.
+      k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]``, or with ``layer``
+        the whole pool ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]``.
       block_tables: int32 ``[batch, max_pages_per_seq]``; lengths: int32 ``[batch]``.
+      layer: int32 scalar (traced; clipped into the pool): the layer of a 5-D pool to read,
+        so that no ``pool[layer]`` copy is made; None for 4-D pages.
       sm_scale: defaults to ``head_dim ** -0.5``; logit_soft_cap: ``cap * tanh(s / cap)``.
       pages_per_block: pages per compute block (default: fill 64 tokens).
       num_splits: context splits per sequence (default: enough programs for the GPU).
@@ -298,9 +332,10 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_sca
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim]; got {q.shape}")
     batch, num_q_heads, head_dim = q.shape
-    ppb = pages_per_block or default_pages_per_block(k_pages.shape[2])
-    tiles = validate_kv(k_pages, v_pages, block_tables, ppb)
-    num_kv_heads = k_pages.shape[1]
+    k_pool, v_pool, layer_arr = pool_operands(k_pages, v_pages, layer)
+    ppb = pages_per_block or default_pages_per_block(k_pool.shape[3])
+    tiles = validate_kv(k_pool, v_pool, block_tables, ppb)
+    num_kv_heads = k_pool.shape[2]
     if head_dim != tiles.head_dim or q.dtype != tiles.dtype:
         raise ValueError(f"q {q.dtype}{list(q.shape)} must match the pages' head_dim"
                          f" {tiles.head_dim} and dtype {tiles.dtype}")
@@ -319,8 +354,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_sca
         raise ValueError(f"decode needs {smem} bytes of SMEM (> {SMEM_BUDGET_BYTES}); lower"
                          f" pages_per_block={ppb} or store pages in bfloat16")
     acc, stats = _decode_call(spec, batch, num_kv_heads, interpret)(
-        q.reshape(batch, num_kv_heads, group, head_dim), k_pages, v_pages, block_tables,
-        lengths.astype(jnp.int32))
+        q.reshape(batch, num_kv_heads, group, head_dim), k_pool, v_pool, layer_arr,
+        block_tables, lengths.astype(jnp.int32))
     out = combine_splits(acc, stats, group)
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 

@@ -10,7 +10,8 @@ prefix included). One program per (sequence, kv head, block of ``block_q`` query
         rows [t_lo * group, n_q * group),  t_lo = clip(j*T - pos(t0), 0, n_q)
 
 Per row, per block: the decode kernel's online-softmax step (CUDA cores, f32 state in SMEM).
-Rows past ``query_lengths[b]`` are never computed and come out zero.
+Rows past ``query_lengths[b]`` are never computed and come out zero. Pages are one layer, or the
+whole pool with ``layer=`` read inside the kernel, as in ``paged_decode.py``.
 
 Layers: kernel body -> call builder -> public jitted wrapper -> reference (oracle).
 """
@@ -28,8 +29,8 @@ from jax import lax
 
 from pallas_kernels import _interpret
 from pallas_kernels.paged_decode import (SMEM_BUDGET_BYTES, KVTiles, default_pages_per_block,
-                                         fetch_block, load_block, softmax_update, validate_kv,
-                                         zero_rows)
+                                         fetch_block, load_block, pool_operands, read_layer,
+                                         softmax_update, validate_kv, zero_rows)
 from pallas_kernels.reference import default_sm_scale, paged_prefill_attention_reference
 
 _MAX_ROWS = 256  # one TMA box of query rows
@@ -51,12 +52,13 @@ class _PrefillSpec:
         return self.block_q * self.group
 
 
-def _prefill_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, qlen_ref, o_ref,
+def _prefill_kernel(q_ref, k_ref, v_ref, layer_ref, bt_ref, len_ref, qlen_ref, o_ref,
                     q_smem, k_smem, v_smem, acc_smem, stats_smem, q_bar, kv_bars,
                     *, spec: _PrefillSpec, lay: _interpret.Layouts):
     # q_ref:      [batch, kv_heads, q_pad * group, head_dim]  GMEM; row t*group + g
-    # k_ref/v_ref:[num_pages, kv_heads, page_size, head_dim]  GMEM
-    # bt_ref:     int32 [batch, max_pages]; len_ref, qlen_ref: int32 [batch]  GMEM
+    # k_ref/v_ref:[layers, num_pages, kv_heads, page_size, head_dim]  GMEM (the whole pool)
+    # layer_ref:  int32 [1]; bt_ref: int32 [batch, max_pages]
+    # len_ref, qlen_ref: int32 [batch]  GMEM
     # o_ref:      f32 [batch, kv_heads, q_pad * group, head_dim]  normalised output
     # q_smem:     [rows, head_dim]; k_smem/v_smem: [2, T, head_dim] (tiled, swizzled)
     # acc_smem:   f32 [rows, head_dim]; stats_smem: f32 [2, rows] (running max, running sum)
@@ -74,17 +76,18 @@ def _prefill_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, qlen_ref, o_ref,
 
     @pl.when(n_q > 0)  # NOTE: programs without queries write nothing; the wrapper zeroes them
     def _queries():
+        layer = read_layer(tiles, layer_ref)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * rows, rows)], q_smem, q_bar.at[0])
-        fetch_block(tiles, refs, b, h, 0, live_pages, 0)
-        _attend(spec, lay, refs, q_smem, acc_smem, stats_smem, b, h, length, pos0, n_q,
+        fetch_block(tiles, refs, layer, b, h, 0, live_pages, 0)
+        _attend(spec, lay, refs, q_smem, acc_smem, stats_smem, layer, b, h, length, pos0, n_q,
                 n_blocks, live_pages, q_bar)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(acc_smem, o_ref.at[b, h, pl.ds(qb * rows, rows)])
         plgpu.wait_smem_to_gmem(0)
 
 
-def _attend(spec, lay, refs, q_smem, acc_smem, stats_smem, b, h, length, pos0, n_q, n_blocks,
-            live_pages, q_bar):
+def _attend(spec, lay, refs, q_smem, acc_smem, stats_smem, layer, b, h, length, pos0, n_q,
+            n_blocks, live_pages, q_bar):
     """Rows ``[0, n_q * group)``: stream the K/V blocks, update each row, normalise."""
     tiles, group = spec.tiles, spec.group
     k_smem, v_smem, kv_bars = refs[3:]
@@ -104,7 +107,7 @@ def _attend(spec, lay, refs, q_smem, acc_smem, stats_smem, b, h, length, pos0, n
         @pl.when(j + 1 < n_blocks)
         def _prefetch():
             plgpu.commit_smem()  # every thread is done reading the slot about to be refilled
-            fetch_block(tiles, refs, b, h, j + 1, live_pages, 1 - slot)
+            fetch_block(tiles, refs, layer, b, h, j + 1, live_pages, 1 - slot)
 
         plgpu.barrier_wait(kv_bars.at[slot])
         kpos0 = j * tiles.block_tokens
@@ -166,17 +169,20 @@ def default_block_q(tiles: KVTiles, group: int, max_q_len: int) -> int:
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "logit_soft_cap", "pages_per_block", "block_q", "interpret"))
 def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths, query_lengths, *,
-                            sm_scale=None, logit_soft_cap=None, pages_per_block=None,
-                            block_q=None, interpret=False):
+                            layer=None, sm_scale=None, logit_soft_cap=None,
+                            pages_per_block=None, block_q=None, interpret=False):
     """Ragged causal queries over paged context (chunked prefill, cached prefixes).
 
     Args:
       q: ``[batch, max_q_len, num_q_heads, head_dim]``; query ``t`` of row ``b`` sits at
         position ``lengths[b] - query_lengths[b] + t``.
-      k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]``.
+      k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]``, or with ``layer``
+        the whole pool ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]``.
       block_tables: int32 ``[batch, max_pages_per_seq]``.
       lengths: int32 ``[batch]``, the queries' own tokens included.
       query_lengths: int32 ``[batch]``, ``<= min(lengths, max_q_len)``.
+      layer: int32 scalar: the layer of a 5-D pool to read (no ``pool[layer]`` copy); None for
+        4-D pages.
       sm_scale, logit_soft_cap: as :func:`paged_decode_attention`.
       pages_per_block: pages per compute block (default: fill 64 tokens).
       block_q: query tokens per program (default: up to 16, at most 128 rows).
@@ -189,9 +195,10 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths, query_le
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, max_q_len, num_q_heads, head_dim]; got {q.shape}")
     batch, max_q_len, num_q_heads, head_dim = q.shape
-    ppb = pages_per_block or default_pages_per_block(k_pages.shape[2])
-    tiles = validate_kv(k_pages, v_pages, block_tables, ppb)
-    num_kv_heads = k_pages.shape[1]
+    k_pool, v_pool, layer_arr = pool_operands(k_pages, v_pages, layer)
+    ppb = pages_per_block or default_pages_per_block(k_pool.shape[3])
+    tiles = validate_kv(k_pool, v_pool, block_tables, ppb)
+    num_kv_heads = k_pool.shape[2]
     if head_dim != tiles.head_dim or q.dtype != tiles.dtype:
         raise ValueError(f"q {q.dtype}{list(q.shape)} must match the pages' head_dim"
                          f" {tiles.head_dim} and dtype {tiles.dtype}")
@@ -214,7 +221,7 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths, query_le
     q_rows = q_rows.reshape(batch, q_blocks * bq, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
     out = _prefill_call(spec, batch, num_kv_heads, q_blocks, interpret)(
-        q_rows, k_pages, v_pages, block_tables, lengths.astype(jnp.int32),
+        q_rows, k_pool, v_pool, layer_arr, block_tables, lengths.astype(jnp.int32),
         query_lengths.astype(jnp.int32))
     out = out.reshape(batch, num_kv_heads, q_blocks * bq, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out[:, :max_q_len].reshape(q.shape)

@@ -98,15 +98,16 @@ class PagedCache:
           ``(cache, out)`` with out ``[batch, t, num_q_heads, head_dim]``.
         """
         pages, offsets = pt.slot_mapping(self.table, step.positions, step.rows)
-        pool = kv_pool.write(self.pool, layer, k, v, pages, offsets)
         block_tables = self.table.block_tables
         if step.rows is not None:
             block_tables = block_tables[step.rows]
         if self.window_pages is not None:
             block_tables = block_tables[:, : self.window_pages]
         if impl == "pallas":
-            out = _pallas_attend(pool, layer, q, block_tables, step)
+            pool, out = _pallas_attend(self.pool, layer, q, k, v, pages, offsets, block_tables,
+                                       step)
         elif impl == "xla":
+            pool = kv_pool.write(self.pool, layer, k, v, pages, offsets)
             out = attend_blocks(q, pool.k[layer, block_tables], pool.v[layer, block_tables],
                                 step.positions, step.lengths,
                                 sm_scale=default_sm_scale(q.shape[-1], None))
@@ -115,20 +116,31 @@ class PagedCache:
         return dataclasses.replace(self, pool=pool), out
 
 
-def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
-                   block_tables: jax.Array, step: StepInfo) -> jax.Array:
-    """Routes to the Pallas decode or prefill kernel (interpret mode off GPU)."""
+def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, k: jax.Array,
+                   v: jax.Array, pages: jax.Array, offsets: jax.Array, block_tables: jax.Array,
+                   step: StepInfo) -> tuple[kv_pool.KVPool, jax.Array]:
+    """Writes K/V with the Pallas kernel, then routes to the decode or prefill kernel
+    (interpret mode off GPU). -> ``(pool, out)``.
+
+    NOTE: every kernel gets the whole 5-D pool plus ``layer`` and indexes the layer itself:
+    ``pool.k[layer]`` here would be a dynamic slice that XLA materialises to feed the custom
+    call, a copy of one layer's K/V per layer per step.
+    """
     import pallas_kernels  # noqa: PLC0415 - the kernels are optional at import time
 
     interpret = jax.default_backend() != "gpu"
-    k_pages, v_pages = pool.k[layer], pool.v[layer]
+    pages = jnp.where(pages < pool.num_pages, pages, -1)  # padding -> sentinel: skip it
+    k_pool, v_pool = pallas_kernels.write_kv(pool.k, pool.v, k, v, pages, offsets, layer=layer,
+                                             interpret=interpret)
     if q.shape[1] == 1:
         out = pallas_kernels.paged_decode_attention(
-            q[:, 0], k_pages, v_pages, block_tables, step.lengths, interpret=interpret)
-        return out[:, None]
-    return pallas_kernels.paged_prefill_attention(
-        q, k_pages, v_pages, block_tables, step.lengths, step.query_lengths,
-        interpret=interpret)
+            q[:, 0], k_pool, v_pool, block_tables, step.lengths, layer=layer,
+            interpret=interpret)[:, None]
+    else:
+        out = pallas_kernels.paged_prefill_attention(
+            q, k_pool, v_pool, block_tables, step.lengths, step.query_lengths, layer=layer,
+            interpret=interpret)
+    return kv_pool.KVPool(k=k_pool, v=v_pool), out
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,

@@ -158,6 +158,45 @@ def test_prefill_matches_reference(case):
     assert_rows_close(out, ref, case.dtype, row_axes=(0, 1, 2))
 
 
+def stack_layers(pages, layer: int, num_layers: int = 3):
+    """A ``[num_layers, ...]`` pool holding ``pages`` at ``layer`` and NaN everywhere else, so
+    reading any other layer poisons the output."""
+    pool = jnp.full((num_layers, *pages.shape), jnp.nan, pages.dtype)
+    return pool.at[layer].set(pages)
+
+
+POOL_CASE = Case(3, 64, "bfloat16", num_kv_heads=2)
+
+
+def test_decode_reads_its_layer_of_the_pool():
+    case = POOL_CASE
+    clean, poisoned, table, lengths = make_pool(10, case, edge_lengths(case.page_size, 100))
+    q = jax.random.normal(jax.random.key(11), (len(lengths), 6, case.head_dim), case.dtype)
+    k_pool, v_pool = (stack_layers(x, 1) for x in poisoned)
+    out = paged_decode_attention(q, k_pool, v_pool, table, lengths, layer=jnp.int32(1),
+                                 num_splits=2, interpret=INTERPRET)
+    ref = paged_decode_attention_reference(q, *clean, table, lengths)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not np.asarray(out[0]).any()
+    assert_rows_close(out, ref, case.dtype, row_axes=(0, 1))
+
+
+def test_prefill_reads_its_layer_of_the_pool():
+    case = POOL_CASE
+    s = case.page_size
+    lengths, query_lengths = [0, s - 1, s + 9, 70], [0, s - 1, 12, 1]
+    clean, poisoned, table, lengths = make_pool(12, case, lengths, shared_pages=0)
+    query_lengths = jnp.asarray(query_lengths, jnp.int32)
+    q = jax.random.normal(jax.random.key(13), (4, 16, 6, case.head_dim), case.dtype)
+    k_pool, v_pool = (stack_layers(x, 2) for x in poisoned)
+    args = (table, lengths, query_lengths)
+    out = paged_prefill_attention(q, k_pool, v_pool, *args, layer=jnp.int32(2), block_q=8,
+                                  interpret=INTERPRET)
+    ref = paged_prefill_attention_reference(q, *clean, *args)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_rows_close(out, ref, case.dtype, row_axes=(0, 1, 2))
+
+
 def test_double_buffering_has_no_races():
     """The interpreter's race detector sees every TMA write ordered before the reads."""
     case = Case(2, 64, "bfloat16")
@@ -191,6 +230,26 @@ def test_write_kv_matches_reference_in_place():
     np.testing.assert_array_equal(np.asarray(out_k, np.float32), np.asarray(ref_k, np.float32))
     np.testing.assert_array_equal(np.asarray(out_v, np.float32), np.asarray(ref_v, np.float32))
     np.testing.assert_array_equal(np.asarray(out_k[6], np.float32), np.asarray(k[6], np.float32))
+
+
+def test_write_kv_into_a_layer_of_the_pool_in_place():
+    k, v = _kv_pool(shape=(3, 7, 2, 16, 64))
+    k_new = jax.random.normal(jax.random.key(8), (2, 2, 2, 64), jnp.float32)
+    v_new = jax.random.normal(jax.random.key(9), (2, 2, 2, 64), jnp.float32)
+    pages = jnp.array([[2, 2], [5, -1]], jnp.int32)
+    offsets = jnp.array([[14, 15], [0, 3]], jnp.int32)
+    # layer 3 is past the pool: nothing is written (and the same compiled kernel runs)
+    for layer, written in ((2, True), (3, False)):
+        ref_k, ref_v = write_kv_reference(k, v, k_new, v_new, pages, offsets, layer=layer)
+        k_in, v_in = jnp.copy(k), jnp.copy(v)
+        out_k, out_v = write_kv(k_in, v_in, k_new, v_new, pages, offsets, layer=jnp.int32(layer),
+                                interpret=INTERPRET)
+        assert k_in.is_deleted() and v_in.is_deleted(), "the pool must be donated"
+        out_k, out_v = np.asarray(out_k, np.float32), np.asarray(out_v, np.float32)
+        np.testing.assert_array_equal(out_k, np.asarray(ref_k, np.float32))
+        np.testing.assert_array_equal(out_v, np.asarray(ref_v, np.float32))
+        np.testing.assert_array_equal(out_k[:2], np.asarray(k[:2], np.float32))
+        assert np.array_equal(out_k, np.asarray(k, np.float32)) != written
 
 
 def test_copy_pages_matches_reference_in_place():
@@ -241,6 +300,17 @@ def test_trace_time_validation_names_the_fix():
     with pytest.raises(ValueError, match="block_q"):
         paged_prefill_attention(q[:, None].repeat(64, 1), pages, pages, table, lengths, lengths,
                                 block_q=200)
+    pool = pages[None].repeat(3, 0)
+    with pytest.raises(ValueError, match="with layer="):
+        paged_decode_attention(q, pages, pages, table, lengths, layer=1)
+    with pytest.raises(ValueError, match=r"must both be \[num_pages"):
+        paged_decode_attention(q, pool, pool, table, lengths)
+    with pytest.raises(ValueError, match="integer scalar"):
+        paged_prefill_attention(q[:, None], pool, pool, table, lengths, lengths,
+                                layer=jnp.ones((1,), jnp.int32))
+    with pytest.raises(ValueError, match="num_layers"):
+        write_kv(pages, pages, q[:, None, :2], q[:, None, :2], table[:, :1], table[:, :1],
+                 layer=0)
 
 
 def _shapes(*xs):
@@ -295,3 +365,67 @@ def test_lowers_for_cuda(name):
     assert kernel_name in lowered.as_text(debug_info=True), "name= carries the tile sizes"
     if name in ("write_kv", "copy_pages"):  # the pages alias through the kernel and the jit
         assert "output_operand_aliases" in hlo and hlo.count("tf.aliasing_output") == 2
+
+
+# ---------------------------------------------------------------- the whole pool, no slice
+
+POOL = jax.ShapeDtypeStruct((4, 64, 2, 16, 64), jnp.bfloat16)  # [layers, pages, kvh, ps, d]
+LAYER = jax.ShapeDtypeStruct((), jnp.int32)
+_MLIR_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+
+
+def mlir_type(x) -> str:
+    return f"tensor<{'x'.join(map(str, x.shape))}x{_MLIR_DTYPES[jnp.dtype(x.dtype).name]}>"
+
+
+def pool_slices(hlo: str, pool) -> list[str]:
+    """StableHLO ops that cut a piece out of a pool-typed value (``pool[layer]`` is one)."""
+    return [line for line in hlo.splitlines()
+            if ("dynamic_slice" in line or "stablehlo.slice" in line or "gather" in line)
+            and f"({mlir_type(pool)}" in line]
+
+
+def custom_call_operands(hlo: str) -> list[str]:
+    """The operand types of every Mosaic GPU custom call."""
+    return [line.rsplit(" : (", 1)[1].split(") -> ")[0] for line in hlo.splitlines()
+            if "stablehlo.custom_call @mosaic_gpu" in line]
+
+
+def _lower_from_pool(name: str, *, slice_layer: bool = False):
+    """Traces a kernel fed from the 5-D pool as the model does: ``layer=i``, or (the pattern
+    the kernels avoid) ``pool[i]`` sliced out first."""
+    table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+    if name == "write_kv":
+        new = jax.ShapeDtypeStruct((4, 1, 2, 64), jnp.bfloat16)
+        slots = jax.ShapeDtypeStruct((4, 1), jnp.int32)
+        return write_kv.trace(POOL, POOL, new, new, slots, slots, layer=LAYER)
+    kernel, q_shape, extra = {
+        "decode": (paged_decode_attention, (4, 6, 64), ()),
+        "prefill": (paged_prefill_attention, (4, 32, 6, 64), (lengths,)),
+    }[name]
+
+    def attend(q, k, v, block_tables, lengths, *rest, layer):
+        if slice_layer:
+            return kernel(q, k[layer], v[layer], block_tables, lengths, *rest)
+        return kernel(q, k, v, block_tables, lengths, *rest, layer=layer)
+
+    q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
+    return jax.jit(attend).trace(q, POOL, POOL, table, lengths, *extra, layer=LAYER)
+
+
+@pytest.mark.parametrize("name", ["decode", "prefill", "write_kv"])
+def test_whole_pool_feeds_the_custom_call_unsliced(name):
+    """With ``layer=`` the 5-D pool goes to the CUDA custom call as it is: no dynamic slice
+    (which XLA would materialise, a layer of K/V copied per call) sits in between."""
+    hlo = _lower_from_pool(name).lower(lowering_platforms=("cuda",)).as_text()
+    operands = custom_call_operands(hlo)
+    assert len(operands) == 1 and operands[0].count(mlir_type(POOL)) == 2, operands
+    assert not pool_slices(hlo, POOL), pool_slices(hlo, POOL)
+    if name == "write_kv":  # the pool aliases through the kernel and the jit
+        assert "output_operand_aliases" in hlo and hlo.count("tf.aliasing_output") == 2
+    else:  # the check above does see the slice it rules out
+        sliced = _lower_from_pool(name, slice_layer=True).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert len(pool_slices(sliced, POOL)) == 2
+
