@@ -60,3 +60,97 @@ def median_time(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> 
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# -- shared by experiments that run a workload in subprocesses (decode.py) --------------------
+def english_prompts(lm: Any, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """``n`` consecutive, non-overlapping windows of ``lo..hi`` tokens (lengths seeded) cut from
+    real English prose available offline: CPython's ``pydoc_data.topics`` (the Language
+    Reference text behind ``help()``), topics in sorted order, tokenized by ``lm``."""
+    import numpy as np
+    from pydoc_data.topics import topics
+
+    lengths = np.random.default_rng(seed).integers(lo, hi + 1, n)
+    stream: list[int] = []
+    for name in sorted(topics):
+        if len(stream) >= lengths.sum():
+            break
+        stream += lm.encode(topics[name].strip() + "\n\n")
+    if len(stream) < lengths.sum():
+        raise ValueError(f"pydoc topics give {len(stream)} tokens, {lengths.sum()} needed")
+    ends = np.cumsum(lengths)
+    return [stream[e - k: e] for e, k in zip(ends, lengths)]
+
+
+def peak_rss_mib() -> float:
+    """This process's resident-set high-water mark (``getrusage``; Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restarts the RSS high-water mark at the current RSS (Linux ``clear_refs`` 5), so
+    :func:`peak_rss_mib` measures one phase; False where the kernel refuses."""
+    import gc
+
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_worker(module: str, job: dict[str, Any]) -> dict[str, Any]:
+    """Runs ``python -m module --worker JOB OUT`` in a fresh interpreter (so its RSS high-water
+    mark is its own): ``job`` goes in as JSON, the worker's JSON comes back."""
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
+        with open(src, "w") as f:
+            json.dump(job, f)
+        subprocess.run([sys.executable, "-m", module, "--worker", src, dst], check=True)
+        with open(dst) as f:
+            return json.load(f)
+
+
+def hf_generate(model: Any, pad: int, prompts: Sequence[Sequence[int]], max_new: int
+                ) -> list[list[int]]:
+    """One left-padded greedy HF ``generate`` of exactly ``max_new`` tokens per prompt, EOS
+    switched off (as ``tests/oracle.py`` does; this sets the model's own EOS to None)."""
+    import torch
+    import transformers
+
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(list(p)), 1
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new,
+                                           pad_token_id=pad, eos_token_id=None)
+    model.generation_config.eos_token_id = None  # else generate() fills it back in
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+    new = out[:, width:].tolist()
+    if any(len(r) != max_new for r in new):
+        raise RuntimeError(f"HF stopped early: {[len(r) for r in new]} tokens")
+    return new
+
+
+def token_agreement(ours: Sequence[Sequence[int]], ref: Sequence[Sequence[int]],
+                    prefix: int) -> dict[str, Any]:
+    """How far each of our token sequences matches the reference: first divergence per
+    sequence (its length if none), the share identical throughout and over the first
+    ``prefix`` tokens."""
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
+             for x, y in zip(ours, ref)]
+    n, width = len(ref), len(ref[0])
+    prefix = min(prefix, width)
+    return dict(first_divergence=first, identical=sum(f == width for f in first) / n,
+                prefix=prefix, prefix_identical=sum(f >= prefix for f in first) / n,
+                first_divergence_min=min(first),
+                first_divergence_median=statistics.median(first))

@@ -8,9 +8,12 @@ The pieces, in the order data flows through them:
 * :mod:`paxkv.paged_cache` / :mod:`paxkv.dense_cache` — the two caches behind one protocol.
 * :mod:`paxkv.steps` — jitted, donated prefill / decode steps and the compiled decode loop.
 * :mod:`paxkv.engine` / :func:`paxkv.generate` — continuous batching for research loops.
+* :mod:`paxkv.prefix_cache` — chained-hash index of cached pages; the engine shares pages through
+  it, through ``n`` samples and through :meth:`paxkv.Engine.fork` (trees of thought).
 """
 
 from paxkv import dense_cache, page_table, paged_cache, pool, steps
+from paxkv.beam_search import Beam, beam_search
 from paxkv.dense_cache import DenseCache
 from paxkv.engine import Engine, GenerationResult
 from paxkv.generate import generate
@@ -25,3 +28,11 @@ __all__ = [
     "PoolUpdate", "SamplingParams", "StepInfo", "TableStats", "dense_cache", "generate",
     "page_table", "paged_cache", "pool", "steps",
 ]
+__all__ += ["Beam", "beam_search"]
+
+from paxkv import prefix_cache  # noqa: E402 - shared pages (issue 3): index, engine accounting
+from paxkv.engine import EngineStats, SequenceStats  # noqa: E402
+from paxkv.page_table import SharingStats  # noqa: E402
+from paxkv.prefix_cache import PrefixIndex  # noqa: E402
+
+__all__ += ["EngineStats", "PrefixIndex", "SequenceStats", "SharingStats", "prefix_cache"]

@@ -7,6 +7,10 @@ Two loops behind one call:
   than ``max_seqs`` are fine.
 * ``loop="jit"``: one prefill, then one compiled ``lax.while_loop`` that reserves pages inside
   jit (:func:`paxkv.steps.decode_loop`), for fixed batches in evaluation pipelines.
+
+With the paged cache, prompts share pages: the prefix cache (on by default) lets a prompt reuse
+the pages of an earlier prompt's identical prefix (a shared system prompt is prefilled once),
+and ``n > 1`` prefills each prompt once and forks it into ``n`` samples.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]], *, max_new_tokens:
              seed: int = 0, stop_token_ids: Sequence[int] | None = None, cache: str = "paged",
              page_size: int = 16, num_pages: int | None = None, max_seqs: int = 32,
              max_len: int | None = None, loop: str = "python", attention_impl: str = "auto",
-             kv_dtype: Any = jnp.float32) -> list[GenerationResult]:
+             kv_dtype: Any = jnp.float32, prefix_cache: bool = True,
+             n: int = 1) -> list[GenerationResult]:
     """Generates a continuation for every prompt.
 
     Args:
@@ -49,9 +54,16 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]], *, max_new_tokens:
       max_seqs: sequences decoding at once (cache rows).
       max_len: tokens one sequence may hold; default the longest prompt + ``max_new_tokens``.
       loop: "python" (continuous batching) or "jit" (fixed batch, one compiled loop).
+      prefix_cache: reuse cached pages of identical prompt prefixes (paged cache only; the
+        dense twin ignores it). Tokens are the same either way.
+      n: samples per prompt (one prefill, then ``n`` forks sharing its pages; sample ``j`` of
+        prompt ``i`` draws from ``fold_in(fold_in(PRNGKey(seed), i), j)``); needs
+        ``loop="python"``.
 
     Returns:
-      One :class:`paxkv.engine.GenerationResult` per prompt, in order.
+      One :class:`paxkv.engine.GenerationResult` per prompt, in order; ``num_cached_tokens``
+      counts prompt tokens served from shared pages, and with ``n > 1`` ``samples`` holds the
+      ``n`` results.
     """
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
@@ -61,10 +73,13 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]], *, max_new_tokens:
     stops = tuple(lm.eos_token_ids) if stop_token_ids is None else tuple(stop_token_ids)
     longest = max(len(p) for p in ids) + max_new_tokens
     max_len = max_len or -(-longest // page_size) * page_size
+    if loop == "jit" and n != 1:
+        raise ValueError("n > 1 samples need loop='python'")
     engine = Engine(lm, cache=cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
-                    num_pages=num_pages, kv_dtype=kv_dtype, attention_impl=attention_impl)
+                    num_pages=num_pages, kv_dtype=kv_dtype, attention_impl=attention_impl,
+                    prefix_cache=prefix_cache and cache == "paged")
     rids = [engine.submit(p, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stops)
+                          top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stops, n=n)
             for p in ids]
     if loop == "python":
         results = engine.run()

@@ -1,0 +1,251 @@
+"""Shared pages: the prefix cache on vs off, and paxkv vs HF transformers on a shared prompt.
+
+    python -m experiments.sharing                    # both parts (the lead's full run)
+    python -m experiments.sharing --quick            # a small smoke run (a few minutes)
+    python -m experiments.sharing --only users       # one part: users | hf
+
+1. **users**: ``U`` users (50) share an ``S``-token system prompt (1,000 tokens of CPython's
+   ``pydoc_data.topics`` prose), each with its own 20-40 token question; ``N`` new tokens each,
+   greedy, EOS ignored. The same requests run through one engine with the prefix cache and one
+   without, and through an explicit shared prefix (``submit_prefix`` + ``submit(prefix=)``,
+   no hashing), side by side: peak pages and KV bytes, the KV of the shared part (distinct pages
+   under the first ``S`` tokens of every row once all are running), prefill tokens computed,
+   wall time, and time to first token of one more user whose ``S``-token prefix is cached vs
+   not (median of 3, after a warm-up). Tokens must agree.
+2. **hf**: 32 chat prompts sharing a 400-token system prompt, each with its own 16-32 token
+   question, 64 new tokens, greedy, EOS ignored: paxkv (continuous batching) with sharing on
+   and off vs HF ``generate`` in one static batch of 32 (all after a warm-up pass). On and off
+   must agree token for token; agreement with HF is reported.
+
+Writes ``results/sharing.json`` (``sharing_quick.json`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+import models
+import paxkv
+from experiments.common import (english_prompts, hf_generate, print_table, record,
+                                token_agreement, write_json)
+
+TARGETS = dict(shared_kv_saving=0.9, ttft_speedup=5.0, vs_hf_static=2.5)
+HF_REFERENCE_TOK_S = 34.5  # NOTES.md: HF static batch of 32 on this workload, this machine
+
+
+def shared_part_pages(engine: paxkv.Engine, prefix_len: int) -> int:
+    """Distinct pages holding the first ``prefix_len`` tokens of the running rows."""
+    bt = np.asarray(engine.cache.table.block_tables)
+    rows = [r.row for r in engine._rows if r is not None]
+    return len(np.unique(bt[rows, : -(-prefix_len // engine.page_size)]))
+
+
+def _submit(engine: paxkv.Engine, prompt: list[int], new: int, system: list[int] | None,
+            holder: int | None) -> int:
+    """``prompt`` through the prefix cache / plainly, or (``holder``) as the held system
+    prompt's suffix."""
+    if holder is None:
+        return engine.submit(prompt, max_new_tokens=new, stop_token_ids=[])
+    return engine.submit(prompt[len(system):], prefix=holder, max_new_tokens=new,
+                         stop_token_ids=[])
+
+
+def _pass(engine: paxkv.Engine, prompts: list[list[int]], new: int, system: list[int],
+          fork: bool) -> tuple[dict, int | None]:
+    """One timed pass of every prompt (counters are per pass); with ``fork`` the system
+    prompt is submitted once with ``submit_prefix`` and every prompt forks it. Returns the
+    record and the held prefix's id (cancel it when done)."""
+    before = engine.stats()
+    engine.peak_pages_used = 0
+    start = time.perf_counter()
+    holder = engine.submit_prefix(system) if fork else None
+    ids = [_submit(engine, p, new, system, holder) for p in prompts]
+    engine.step()  # everyone admitted, prefilled and one token decoded
+    shared = shared_part_pages(engine, len(system))
+    results = engine.run()
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    return dict(tokens=[results[i].token_ids for i in ids], seconds=seconds,
+                tok_s=len(prompts) * new / seconds, peak_pages=engine.peak_pages_used,
+                peak_kv_bytes=engine.peak_pages_used * after.kv_bytes_per_page,
+                shared_part_pages=shared,
+                shared_part_kv_bytes=shared * after.kv_bytes_per_page,
+                prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+                cow_copies=after.cow_copies - before.cow_copies,
+                cached_tokens=sum(results[i].num_cached_tokens for i in ids)), holder
+
+
+def _ttft(engine: paxkv.Engine, prompts: list[list[int]], system: list[int],
+          holder: int | None) -> float:
+    """Median seconds from submit to first token, one request at a time (first = warm-up)."""
+    times = []
+    for p in prompts:
+        _submit(engine, p, 1, system, holder)
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def users(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    system = english_prompts(lm, 1, args.system_tokens, args.system_tokens, seed=args.seed)[0]
+    own = english_prompts(lm, args.users + 4, 20, 40, seed=args.seed + 1)
+    prompts = [system + q for q in own[: args.users]]
+    extra = [system + q for q in own[args.users:]]  # TTFT: warm-up + 3 timed
+    max_len = -(-(len(system) + 40 + args.new_tokens + 1) // 16) * 16
+    runs = {}
+    for mode in ("on", "off", "fork"):
+        engine = paxkv.Engine(lm, max_seqs=args.users + 1, max_len=max_len, page_size=16,
+                              prefix_cache=mode == "on")
+        _, holder = _pass(engine, prompts, args.new_tokens, system, mode == "fork")  # warm-up
+        if holder is not None:
+            engine.cancel(holder)
+        engine.clear_prefix_cache()
+        run, holder = _pass(engine, prompts, args.new_tokens, system, mode == "fork")
+        run["ttft_s"] = _ttft(engine, extra, system, holder)  # the system prompt is shared
+        if holder is not None:
+            engine.cancel(holder)
+        engine.clear_prefix_cache()
+        runs[mode] = run
+        del engine
+    same = runs["on"]["tokens"] == runs["off"]["tokens"] == runs["fork"]["tokens"]
+    for run in runs.values():
+        del run["tokens"]
+    on, off = runs["on"], runs["off"]
+    return dict(config=dict(users=args.users, system_tokens=len(system),
+                            own_tokens=[len(q) for q in own[: args.users]],
+                            new_tokens=args.new_tokens, page_size=16),
+                on=on, off=off, fork=runs["fork"], tokens_identical=same,
+                shared_kv_saving=1 - on["shared_part_kv_bytes"] / off["shared_part_kv_bytes"],
+                peak_kv_saving=1 - on["peak_kv_bytes"] / off["peak_kv_bytes"],
+                ttft_speedup=off["ttft_s"] / on["ttft_s"])
+
+
+def chat_prompts(lm: Any, args: argparse.Namespace) -> list[list[int]]:
+    """Chat prompts: one ~``hf_system_tokens`` system prompt, own 16-32 token questions."""
+    system = lm.decode(english_prompts(lm, 1, args.hf_system_tokens, args.hf_system_tokens,
+                                       seed=args.seed + 2)[0])
+    questions = english_prompts(lm, args.hf_prompts, 16, 32, seed=args.seed + 3)
+    return [lm.encode(lm.chat_prompt([{"role": "system", "content": system},
+                                      {"role": "user", "content": lm.decode(q)}]))
+            for q in questions]
+
+
+def hf(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    prompts, new = chat_prompts(lm, args), args.hf_new_tokens
+    total = len(prompts) * new
+    max_len = -(-(max(map(len, prompts)) + new + 1) // 16) * 16
+    runs = {}
+    for on in (True, False):
+        out = None
+        for _ in range(2):  # warm-up (compiles), then timed on a fresh pool and cache
+            engine = paxkv.Engine(lm, max_seqs=len(prompts), max_len=max_len, page_size=16,
+                                  prefix_cache=on)
+            ids = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
+            start = time.perf_counter()
+            results = engine.run()
+            seconds = time.perf_counter() - start
+            out = dict(tokens=[results[i].token_ids for i in ids], seconds=seconds,
+                       tok_s=total / seconds, prefill_tokens=engine.stats().prefill_tokens,
+                       peak_pages=engine.peak_pages_used)
+            del engine
+        runs["on" if on else "off"] = out
+    transformers.utils.logging.disable_progress_bar()
+    folder, name = os.path.split(models.default_model_path())
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32).eval()
+    pad = 0 if tok.pad_token_id is None else int(tok.pad_token_id)
+    hf_generate(model, pad, [p[:16] for p in prompts[:2]], 2)  # warm-up
+    start = time.perf_counter()
+    hf_tokens = hf_generate(model, pad, prompts, new)
+    hf_run = dict(seconds=time.perf_counter() - start, torch_threads=torch.get_num_threads())
+    hf_run["tok_s"] = total / hf_run["seconds"]
+    same = runs["on"]["tokens"] == runs["off"]["tokens"]
+    agreement = token_agreement(runs["on"].pop("tokens"), hf_tokens, new)
+    runs["off"].pop("tokens")
+    return dict(config=dict(prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
+                            new_tokens=new, page_size=16),
+                on=runs["on"], off=runs["off"], hf_static=hf_run, tokens_identical=same,
+                hf_agreement=agreement, vs_hf_static=runs["on"]["tok_s"] / hf_run["tok_s"],
+                off_vs_hf_static=runs["off"]["tok_s"] / hf_run["tok_s"])
+
+
+def report(results: dict[str, Any]) -> None:
+    mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    if "users" in results:
+        u = results["users"]
+        print(f"\n{u['config']['users']} users, {u['config']['system_tokens']}-token shared "
+              f"prompt, {u['config']['new_tokens']} new tokens; tokens on == off == fork: "
+              f"{u['tokens_identical']}")
+        print_table(["sharing", "peak pages", "peak KV MiB", "shared-part KV MiB",
+                     "prefill tokens", "COW copies", "wall s", "TTFT s (one more user)"],
+                    [[k, r["peak_pages"], mib(r["peak_kv_bytes"]), mib(r["shared_part_kv_bytes"]),
+                      r["prefill_tokens"], r["cow_copies"], f"{r['seconds']:.1f}",
+                      f"{r['ttft_s']:.3f}"]
+                     for k, r in (("prefix cache", u["on"]), ("none", u["off"]),
+                                  ("submit_prefix + fork", u["fork"]))])
+    if "hf" in results:
+        h = results["hf"]
+        print(f"\n{h['config']['prompts']} chat prompts sharing a system prompt, "
+              f"{h['config']['new_tokens']} new tokens; tokens on == off: {h['tokens_identical']};"
+              f" identical to HF: {h['hf_agreement']['identical']:.0%}")
+        print_table(["engine", "tok/s", "wall s", "prefill tokens", "vs HF static"],
+                    [["paxkv, sharing on", f"{h['on']['tok_s']:.1f}", f"{h['on']['seconds']:.1f}",
+                      h["on"]["prefill_tokens"], f"{h['vs_hf_static']:.2f}x"],
+                     ["paxkv, sharing off", f"{h['off']['tok_s']:.1f}",
+                      f"{h['off']['seconds']:.1f}", h["off"]["prefill_tokens"],
+                      f"{h['off_vs_hf_static']:.2f}x"],
+                     ["HF generate, static batch", f"{h['hf_static']['tok_s']:.1f}",
+                      f"{h['hf_static']['seconds']:.1f}", "-", "1.00x"]])
+    rows = []
+    for part, key, fmt in (("users", "shared_kv_saving", "{:.1%}"),
+                           ("users", "ttft_speedup", "{:.1f}x"), ("hf", "vs_hf_static", "{:.2f}x")):
+        if part in results:
+            value = results[part][key]
+            rows.append([key, fmt.format(value), f">= {fmt.format(TARGETS[key])}",
+                         value >= TARGETS[key]])
+    print()
+    print_table(["target", "measured", "goal", "met"], rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes: proves it runs")
+    ap.add_argument("--only", choices=("users", "hf"))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    full = dict(users=50, system_tokens=1000, new_tokens=32, hf_prompts=32, hf_system_tokens=400,
+                hf_new_tokens=64)
+    quick = dict(users=8, system_tokens=256, new_tokens=4, hf_prompts=4, hf_system_tokens=100,
+                 hf_new_tokens=8)
+    for k, v in (quick if args.quick else full).items():
+        setattr(args, k, v)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    lm = models.load()
+    results = {}
+    if args.only in (None, "users"):
+        results["users"] = users(lm, args)
+    if args.only in (None, "hf"):
+        results["hf"] = hf(lm, args)
+    report(results)
+    name = "sharing" + ("_quick" if args.quick else "") + (f"_{args.only}" if args.only else "")
+    write_json(name, record(dict(vars(args), targets=TARGETS,
+                                 hf_reference_tok_s=HF_REFERENCE_TOK_S), results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Smoke tests of the experiments' core functions at tiny sizes, on a tiny random Llama.
+
+The experiments themselves run the real model; here a 2-layer, 32-wide model with a byte
+"tokenizer" stands in, so every test is about the experiment's logic (accounting, checks,
+zero leaks, plots), not the model's speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from experiments import accounting, cancel, capacity, plots, short
+from models.config import LlamaConfig
+from models.llama import Llama
+from paxkv.full_attention import NoCache
+from paxkv.step_info import StepInfo
+
+
+class _Bytes:
+    """Text <-> byte ids: enough tokenizer for the experiments' prompts and results."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i % 256 for i in ids).decode("latin-1")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_lm() -> models.LanguageModel:
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
+    step = StepInfo.make(jnp.array([4]), jnp.array([4]), 4)
+    shapes = jax.eval_shape(lambda: Llama(cfg).init(jax.random.PRNGKey(0),
+                                                    jnp.zeros((1, 4), jnp.int32), step, NoCache()))
+    rng = np.random.default_rng(0)  # random weights without compiling flax's init
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), s.dtype), shapes)
+    return models.LanguageModel(cfg, params, _Bytes(), "tiny")
+
+
+def test_arena_first_fit_and_stranded_holes():
+    arena = accounting.Arena(10)
+    assert arena.alloc("a", 4) and arena.alloc("b", 3) and arena.alloc("c", 3)
+    assert not arena.alloc("d", 1)
+    arena.free("a")
+    arena.free("c")
+    assert arena.holes() == [(0, 4), (7, 3)] and arena.used == 3
+    assert not arena.alloc("e", 5)  # 7 slots free, none 5 contiguous: external fragmentation
+    assert arena.alloc("f", 3) and arena.blocks["f"] == (0, 3)
+
+
+def test_lengths_are_lognormal_and_capped():
+    lengths = capacity.sample_lengths(500, 64, prompt_median=8, prompt_sigma=1.0,
+                                      output_median=8, output_sigma=1.0)
+    assert lengths.min() >= 1 and (lengths.sum(1) <= 64).all()
+    assert 5 <= np.median(lengths[:, 0]) <= 12  # median near 8
+    assert lengths[:, 0].max() > 4 * np.median(lengths[:, 0])  # a long tail
+
+
+@pytest.fixture(scope="module")
+def capacity_record():
+    # Sizes shared with the cancel tests' engine (rows 4, 24 pages of 4, max_len 32), so the
+    # jitted steps compile once.
+    args = capacity.parse_args(["--quick", "--max-len", "32", "--requests", "6",
+                                "--paged-rows", "4", "--warmup", "0"])
+    return capacity.run(args, tiny_lm())
+
+
+def test_capacity_accounts_every_system(capacity_record):
+    res = capacity_record["results"]
+    assert res["outputs_identical"]
+    budget, ps = 3 * 32, 4
+    for name in capacity.SYSTEMS:
+        r = res[name]
+        assert r["check"]["all_identical"] and r["check"]["compared"] == 6
+        assert r["pages_leaked"] == 0 and r["output_tokens"] == sum(
+            n for _, n in capacity_record["config"]["lengths"])
+        assert len(r["series"]["t"]) == r["steps"]
+        assert all(0 <= w <= 100 for w in r["series"]["waste_pct"])
+        assert len(r["page_map"]["owner"]) == budget // ps
+        assert max(r["series"]["reserved"]) <= budget
+    assert res["dense_max_len"]["peak_running"] <= 3
+    assert res["dense_exact"]["preemptions"] == 0
+    assert res["paged"]["peak_running"] >= res["dense_max_len"]["peak_running"]
+    assert res["paged"]["future_pct_steady"] == 0 and res["dense_exact"]["internal_pct_steady"] == 0
+
+
+def test_plots_write_pngs(capacity_record, tmp_path):
+    (tmp_path / "capacity_quick.json").write_text(json.dumps(capacity_record, default=str))
+    fork = cancel.fork_run(tiny_lm(), children=3, decode_steps=3, max_len=32,
+                           cancel_at={1: 1})
+    (tmp_path / "cancel_quick.json").write_text(json.dumps({"results": {"fork": fork}}))
+    written = plots.plot_all(str(tmp_path), quick=True)
+    assert len(written) == 4
+    for path in written:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_short_times_both_caches_and_agrees():
+    # batch 4 x 8 pages: the paged cache of the fork runs (3 children), one compile for both.
+    r = short.measure(tiny_lm(), 4, max_len=32, page_size=4, reps=1, out_len=2, cost=False)
+    assert r["tokens_identical"] and r["samples"] == 2
+    for clock in ("wall", "cpu"):
+        for kind in short.KINDS:
+            assert {"full", "reserve", "attention", "rest"} <= set(r[f"{clock}_ms"][kind])
+        assert r[f"{clock}_ms"]["paged"]["table"] >= 0
+
+
+def test_cancel_random_ops_leak_nothing():
+    r = cancel.random_ops(300, seed=1)
+    assert r["pages_leaked"] == 0 and not r["invariant_errors"]
+    assert r["all_freed_in_same_call"]
+    assert {"mid_prompt", "mid_decode", "forked", "sharing_prefix"} <= set(r["cancels"])
+
+
+def test_cancel_in_engine_and_forks_spare_the_others():
+    eng = cancel.engine_run(tiny_lm(), requests=6, max_len=32, max_seqs=4, num_pages=24,
+                            cancel_frac=0.5, prefill_chunk=16)
+    assert eng["all_freed_in_same_call"] and eng["freed_matches_tokens"]
+    assert eng["survivors_identical"] == eng["survivors"] and eng["pages_leaked"] == 0
+    assert "queued" in {c["kind"] for c in eng["cancels"]}
+    assert any(c["freed"] > 0 for c in eng["cancels"])
+    fork = cancel.fork_run(tiny_lm(), children=3, decode_steps=4, max_len=32,
+                           cancel_at={1: 2, 2: 0})
+    assert fork["all_freed_in_same_call"] and fork["survivors_identical"]
+    assert fork["pages_leaked"] == 0 and any(fork["page_map"]["shared"])
