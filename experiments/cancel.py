@@ -1,6 +1,6 @@
 """Cancellation: pages come back in the same call, nothing leaks, nobody else notices.
 
-    python -m experiments.cancel             # 10,000 random page-table ops + two model runs
+    python -m experiments.cancel             # 10,000 random page-table ops + model runs
     python -m experiments.cancel --quick     # 1,000 ops, 12 engine requests
 
 1. **ops** (page-table level, jitted ``reserve`` / ``release`` / ``fork`` / ``retain``):
@@ -15,6 +15,9 @@
    with a third of them cancelled at random steps (queued, just admitted, mid-decode). Each
    cancel's freed pages must match the pages its row held (``ceil(tokens held / page_size)``);
    the survivors' greedy tokens must equal the undisturbed run's; no page leaks.
+2b. **engine, shared** (real model): requests fork one ``submit_prefix`` holder (a shared
+   system prompt) and one request is ``Engine.fork``-ed into two children; then a child, a
+   request sharing the prefix and the prefix holder are cancelled. Same checks.
 3. **fork** (real model, ``PagedCache`` + jitted steps): a prompt is prefilled, forked into
    children that share its pages, each child gets its own suffix token (copy-on-write of the
    shared last page), a prefix index holds the prompt's full pages, and all rows decode; the
@@ -40,9 +43,8 @@ import models
 import paxkv
 from experiments.accounting import paged_page_map, provenance
 from experiments.common import print_table, record, write_json
+from experiments.table_ops import host_table, random_ops, summarize_cancels
 from paxkv import page_table as pt, paged_cache, steps
-
-from experiments.table_ops import _host, random_ops, summarize_cancels
 
 
 # -- part 2: the engine with the real model ------------------------------------------------------
@@ -53,7 +55,7 @@ def _free(cache: Any) -> int:
 def cancel_in_engine(engine: paxkv.Engine, rid: int) -> dict[str, Any]:
     """``engine.cancel(rid)`` with the free pages counted around it; the row it released (the
     one that went inactive) must have held exactly the pages that came back."""
-    bt, lengths, refs, active = _host(engine.cache.table)
+    bt, lengths, refs, active = host_table(engine.cache.table)
     result = engine.result(rid)
     before = _free(engine.cache)
     engine.cancel(rid)
@@ -62,8 +64,9 @@ def cancel_in_engine(engine: paxkv.Engine, rid: int) -> dict[str, Any]:
     ps = engine.page_size
     expected = sum(int(np.sum(refs[bt[r, : -(-int(lengths[r]) // ps)]] == 1)) for r in gone)
     held = len(result.prompt_ids) + len(result.token_ids) - 1 if gone.size else 0
+    # A request's first step prefills it and decodes once: 2 tokens.
     kind = ("queued" if not gone.size else
-            "just_prefilled" if len(result.token_ids) == 1 else "mid_decode")
+            "just_prefilled" if len(result.token_ids) <= 2 else "mid_decode")
     return dict(kind=kind, freed=after - before, expected=expected,
                 tokens_held=held, pages_for_tokens=-(-held // ps))
 
@@ -97,12 +100,15 @@ def engine_run(lm: Any, *, requests: int = 16, max_len: int = 64, page_size: int
     kw = dict(max_seqs=max_seqs, max_len=max_len, page_size=page_size, num_pages=num_pages,
               prefill_chunk=prefill_chunk)
     base, _, steps_base, leak_base = drive_engine(lm, reqs, {}, **kw)
-    # A third of the victims go before step 0 (queued), a third before step 1 (just
-    # prefilled, or still queued behind full rows), the rest mid-decode.
-    victims = rng.choice(requests, max(1, int(cancel_frac * requests)), replace=False)
+    # A third of the victims go before step 0 (queued), a third of the first max_seqs
+    # requests before step 1 (just prefilled, if pages allowed), the rest mid-decode.
+    n = max(3, int(cancel_frac * requests))
+    first = rng.permutation(min(max_seqs, requests))[: n // 3]
+    rest = rng.permutation([i for i in range(requests) if i not in first])[: n - len(first)]
     late = max(3, steps_base * 3 // 4)
-    cancel_at = {int(i): (k % 3 if k % 3 < 2 else int(rng.integers(2, late)))
-                 for k, i in enumerate(victims)}
+    cancel_at = {int(i): 1 for i in first}
+    cancel_at.update({int(i): (0 if k % 2 == 0 else int(rng.integers(2, late)))
+                      for k, i in enumerate(rest)})
     got, cancels, steps_run, leak = drive_engine(lm, reqs, cancel_at, **kw)
     survivors = [i for i in range(requests) if i not in cancel_at]
     same = [i for i in survivors if got[i] == base[i]]
@@ -116,10 +122,57 @@ def engine_run(lm: Any, *, requests: int = 16, max_len: int = 64, page_size: int
                 steps=steps_run, steps_baseline=steps_base, config=dict(kw, seed=seed))
 
 
+def _drive_shared(lm: Any, prefix: list[int], suffixes: list[list[int]], new: int,
+                  plan: dict[int, str], **engine_kw: Any) -> dict[str, Any]:
+    """Requests fork one ``submit_prefix`` holder; after step 2 request 0 is ``Engine.fork``-ed
+    into two children. ``plan``: step -> what to cancel before it ("child" = the second fork
+    child, "sharer" = request 1, "prefix" = the prefix holder)."""
+    engine = paxkv.Engine(lm, cache="paged", **engine_kw)
+    holder = engine.submit_prefix(prefix)
+    ids = [engine.submit(sfx, max_new_tokens=new, prefix=holder) for sfx in suffixes]
+    kids, cancels, step = [], [], 0
+    while engine.has_work():
+        if step == 2:
+            kids = engine.fork(ids[0], 2, max_new_tokens=new // 2)
+        who = plan.get(step)
+        target = dict(child=kids[1] if kids else None, sharer=ids[1], prefix=holder).get(who)
+        if target is not None:
+            cancels.append(dict(cancel_in_engine(engine, target), kind=who, step=step))
+        engine.step()
+        step += 1
+    engine.cancel(holder)  # a prefix holder keeps its row until cancelled
+    tokens = {rid: engine.result(rid).token_ids for rid in ids[1:] + kids}
+    return dict(tokens=tokens, cancels=cancels, leaked=engine.num_pages - _free(engine.cache),
+                cancelled={c for c, w in ((kids[1] if kids else -1, "child"), (ids[1], "sharer"))
+                           if w in plan.values()})
+
+
+def engine_sharing_run(lm: Any, *, requests: int = 4, prefix_len: int = 18, new: int = 12,
+                       max_len: int = 64, page_size: int = 4, max_seqs: int = 8,
+                       num_pages: int = 64, seed: int = 0) -> dict[str, Any]:
+    """Part 2b: cancels while pages are shared inside the engine (a fork child, a request
+    sharing the prefix, the prefix holder); survivors vs an uncancelled run."""
+    rng = np.random.default_rng(seed)
+    vocab = lm.config.vocab_size
+    prefix = rng.integers(0, vocab, prefix_len).tolist()
+    suffixes = [rng.integers(0, vocab, int(rng.integers(1, 6))).tolist() for _ in range(requests)]
+    kw = dict(max_seqs=max_seqs, max_len=max_len, page_size=page_size, num_pages=num_pages,
+              prefill_chunk=16)
+    base = _drive_shared(lm, prefix, suffixes, new, {}, **kw)
+    run = _drive_shared(lm, prefix, suffixes, new, {4: "child", 5: "sharer", 6: "prefix"}, **kw)
+    survivors = [r for r in base["tokens"] if r not in run["cancelled"]]
+    return dict(cancels=run["cancels"],
+                all_freed_in_same_call=all(c["freed"] == c["expected"] for c in run["cancels"]),
+                survivors=len(survivors),
+                survivors_identical=sum(run["tokens"][r] == base["tokens"][r] for r in survivors),
+                pages_leaked=run["leaked"], pages_leaked_baseline=base["leaked"],
+                config=dict(kw, requests=requests, prefix_len=prefix_len, new=new, seed=seed))
+
+
 # -- part 3: fork and a shared prefix with the real model ----------------------------------------
 def _release_row(cache: Any, row: int) -> tuple[Any, dict[str, int]]:
     """Releases one row with the jitted step; returns the freed and expected page counts."""
-    bt, lengths, refs, _ = _host(cache.table)
+    bt, lengths, refs, _ = host_table(cache.table)
     pages = bt[row, : -(-int(lengths[row]) // cache.table.page_size)]
     before = _free(cache)
     mask = np.zeros(cache.max_seqs, bool)
@@ -146,10 +199,9 @@ def _forked_start(lm: Any, prompt: list[int], children: int, *, max_len: int, pa
     cache, ok = cache.fork(jnp.zeros(children, jnp.int32), jnp.asarray(kids, jnp.int32))
     assert bool(np.all(ok)), "fork failed"
     suffix = (np.asarray(first)[0] + kids) % cfg.vocab_size  # each child's own next token
-    cache, nxt, _, _ = steps.prefill_step(lm.forward, lm.params, cache,
-                                          jnp.asarray(suffix[:, None], jnp.int32),
-                                          jnp.asarray(kids, jnp.int32), jnp.ones(children, jnp.int32),
-                                          None)
+    cache, nxt, _, _ = steps.prefill_step(
+        lm.forward, lm.params, cache, jnp.asarray(suffix[:, None], jnp.int32),
+        jnp.asarray(kids, jnp.int32), jnp.ones(children, jnp.int32), None)
     held = np.asarray(cache.table.block_tables)[0, : len(prompt) // page_size]
     cache = dataclasses.replace(cache, table=pt.retain(cache.table, jnp.asarray(held), 1))
     last = np.concatenate([np.asarray(first), np.asarray(nxt)]).astype(np.int32)
@@ -202,9 +254,11 @@ def _kind_rows(part: str, by_kind: dict[str, dict[str, int]]) -> list[list[Any]]
     return [[part, k, s["n"], s["pages_freed"], s["wrong"]] for k, s in sorted(by_kind.items())]
 
 
-def report(ops: dict, eng: dict, fork: dict) -> bool:
+def report(ops: dict, eng: dict, shared: dict, fork: dict) -> bool:
     """Prints the tables; returns whether every check passed."""
     rows = _kind_rows("ops", ops["cancels"]) + _kind_rows("engine", eng["by_kind"])
+    rows += [["engine, shared", f"{c['kind']} (step {c['step']})", 1, c["freed"],
+              int(c["freed"] != c["expected"])] for c in shared["cancels"]]
     rows += [["fork", f"{c['kind']} (row {c['row']}, step {c['step']}, {c['shared']} shared)",
               1, c["freed"], int(c["freed"] != c["expected"])] for c in fork["cancels"]]
     print_table(["part", "released while", "count", "pages freed", "freed != expected"], rows)
@@ -216,6 +270,9 @@ def report(ops: dict, eng: dict, fork: dict) -> bool:
         ("engine", "freed pages = ceil(tokens held / page)", "mismatches",
          int(not eng["freed_matches_tokens"]), 0),
         ("engine", "end of run", "leaked pages", eng["pages_leaked"], 0),
+        ("engine, shared", "prefix + fork, 3 cancels", "survivors with other tokens",
+         shared["survivors"] - shared["survivors_identical"], 0),
+        ("engine, shared", "end of run", "leaked pages", shared["pages_leaked"], 0),
         ("fork", f"{fork['children']} children of a {fork['prompt_len']}-token prompt",
          "survivors with other tokens", int(not fork["survivors_identical"]), 0),
         ("fork", "end of run", "leaked pages", fork["pages_leaked"], 0),
@@ -224,7 +281,8 @@ def report(ops: dict, eng: dict, fork: dict) -> bool:
     print_table(["part", "what", "measure", "got", "target"],
                 [[p, w, m, g, t] for p, w, m, g, t in checks])
     return (all(g == t for *_, g, t in checks) and ops["all_freed_in_same_call"]
-            and eng["all_freed_in_same_call"] and fork["all_freed_in_same_call"])
+            and eng["all_freed_in_same_call"] and shared["all_freed_in_same_call"]
+            and fork["all_freed_in_same_call"])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -247,12 +305,15 @@ def run(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
     print(f"part 1: {args.ops:,} random page-table ops done")
     eng = engine_run(lm, requests=args.requests, seed=args.seed)
     print(f"part 2: engine run done ({eng['steps']} steps)")
+    shared = engine_sharing_run(lm, seed=args.seed)
+    print("part 2b: engine sharing run done")
     fork = fork_run(lm, children=args.children, seed=args.seed)
     print("part 3: fork run done\n")
-    ok = report(ops, eng, fork)
+    ok = report(ops, eng, shared, fork)
     print(f"\nall checks passed: {ok}")
     return record(dict(vars(args), model=lm.name, **started),
-                  dict(ops=ops, engine=eng, fork=fork, all_checks_passed=ok))
+                  dict(ops=ops, engine=eng, engine_sharing=shared, fork=fork,
+                       all_checks_passed=ok))
 
 
 def main(argv: list[str] | None = None) -> None:

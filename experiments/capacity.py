@@ -38,7 +38,10 @@ decoding is greedy with EOS ignored, so each request makes exactly ``output`` to
   ``*_steady`` figures are medians over them.
 
 Throughput = output tokens / (sum of ``step()`` wall times - compile time inside them, from
-``jax.monitoring``); a warm-up run of the first ``--warmup`` requests precedes each system.
+``jax.monitoring``), and per CPU-second of this process (``time.process_time``, which other
+tenants of a shared machine inflate far less); a warm-up run of the first ``--warmup``
+requests precedes each system. The series also records each step's wall and CPU seconds and
+the attention window (tokens read per row).
 The greedy tokens of every system are compared with the others' (no figure stands for a wrong
 answer). Writes ``results/capacity.json`` (``capacity_quick.json`` with ``--quick``).
 """
@@ -181,7 +184,10 @@ class Driver:
                 internal, future, external = 0, reserved - filled, self._stranded()
         pct = lambda x: 100.0 * x / max(reserved, 1)  # noqa: E731
         queued = len(self.pending) + len(self.inflight) - running
+        window = (cache.window if self.system == "dense_max_len" else  # tokens attention reads
+                  cache.window_pages and cache.window_pages * cfg.page_size)
         return dict(running=running, queued=queued, reserved=reserved, filled=filled,
+                    window=window,
                     waste_pct=pct(reserved - filled), internal_pct=pct(internal),
                     future_pct=pct(future), external_pct=100.0 * external / cfg.budget_slots)
 
@@ -211,26 +217,27 @@ def run_system(lm: Any, system: str, cfg: Config,
     peak, and ``outputs`` (token ids per request)."""
     drv = Driver(lm, system, cfg, requests)
     series: dict[str, list] = collections.defaultdict(list)
-    busy = compiling = 0.0
+    busy = cpu = compiling = 0.0
     peak, page_map = -1, None
     with CompileClock() as clock:
         while drv.pending or drv.inflight:
             drv.admit()
-            c0, t0 = clock.total, time.perf_counter()
+            c0, t0, p0 = clock.total, time.perf_counter(), time.process_time()
             drv.engine.step()
-            busy += time.perf_counter() - t0
-            compiling += clock.total - c0
+            wall, spent = time.perf_counter() - t0, time.process_time() - p0
+            compiled = clock.total - c0
+            busy, cpu, compiling = busy + wall, cpu + spent, compiling + compiled
             drv.poll()
             s = drv.sample()
-            s["t"] = busy - compiling
+            s.update(t=busy - compiling, step_s=wall - compiled, cpu_s=max(spent - compiled, 0.0))
             for k, v in s.items():
                 series[k].append(v)
             if s["running"] > peak:
                 peak, page_map = s["running"], dict(drv.page_map(), step=len(series["t"]) - 1)
-    return summarize(drv, dict(series), busy, compiling, page_map)
+    return summarize(drv, dict(series), busy, cpu, compiling, page_map)
 
 
-def summarize(drv: Driver, series: dict[str, list], busy: float, compiling: float,
+def summarize(drv: Driver, series: dict[str, list], busy: float, cpu: float, compiling: float,
               page_map: dict[str, Any] | None) -> dict[str, Any]:
     """The figures of one system's run (medians over the steady state)."""
     q = np.asarray(series["queued"])
@@ -249,6 +256,9 @@ def summarize(drv: Driver, series: dict[str, list], busy: float, compiling: floa
         mean_queued=float(q.mean()), steps=len(q), steady_steps=int(steady.size),
         output_tokens=out_tokens, timed_s=busy - compiling, compile_s_excluded=compiling,
         throughput_tok_s=out_tokens / max(busy - compiling, 1e-9),
+        throughput_tok_per_cpu_s=out_tokens / max(cpu - compiling, 1e-9),
+        median_step_s=float(np.median(series["step_s"])),
+        prefill_tokens=getattr(engine, "num_prefill_tokens", None),
         waste_pct_steady=med("waste_pct"), internal_pct_steady=med("internal_pct"),
         future_pct_steady=med("future_pct"), external_pct_steady=med("external_pct"),
         preemptions=engine.num_preemptions, pages_leaked=leaked,
@@ -329,14 +339,15 @@ def report(results: dict[str, dict[str, Any]], cfg: Config) -> dict[str, Any]:
         check = r.get("check", {})
         rows.append([name, r["peak_running"], f"{r['peak_running'] / base:.1f}x",
                      f"{r['mean_running_steady']:.1f}", f"{r['mean_queued']:.1f}", r["steps"],
-                     f"{r['throughput_tok_s']:.1f}", f"{r['waste_pct_steady']:.1f}",
+                     f"{r['throughput_tok_s']:.1f}", f"{r['throughput_tok_per_cpu_s']:.1f}",
+                     f"{r['waste_pct_steady']:.1f}",
                      f"{r['internal_pct_steady']:.1f}", f"{r['future_pct_steady']:.1f}",
                      f"{r['external_pct_steady']:.1f}", r["preemptions"], r["pages_leaked"],
                      f"{check.get('identical', '-')}/{check.get('compared', '-')} "
                      f"vs {check.get('reference', '-')}"])
     print_table(["system", "peak seqs", "vs dense", "seqs (steady)", "queued (mean)", "steps",
-                 "out tok/s", "waste % (steady)", "internal %", "future %", "external %",
-                 "preempt", "leaked pages", "same tokens"], rows)
+                 "out tok/s", "out tok/cpu-s", "waste % (steady)", "internal %", "future %",
+                 "external %", "preempt", "leaked pages", "same tokens"], rows)
     verdict = {}
     if "paged" in results:
         paged = results["paged"]

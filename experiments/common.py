@@ -105,17 +105,25 @@ def reset_peak_rss() -> bool:
 
 def run_worker(module: str, job: dict[str, Any]) -> dict[str, Any]:
     """Runs ``python -m module --worker JOB OUT`` in a fresh interpreter (so its RSS high-water
-    mark is its own): ``job`` goes in as JSON, the worker's JSON comes back."""
+    mark is its own): ``job`` goes in as JSON, the worker's JSON comes back, with the worker's
+    wall and CPU (user + system) seconds added as ``worker_wall_s`` / ``worker_cpu_s``."""
+    import resource
     import sys
     import tempfile
+
+    def cpu() -> float:
+        use = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return use.ru_utime + use.ru_stime
 
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(src, "w") as f:
             json.dump(job, f)
+        wall, used = time.perf_counter(), cpu()
         subprocess.run([sys.executable, "-m", module, "--worker", src, dst], check=True)
         with open(dst) as f:
-            return json.load(f)
+            out = json.load(f)
+    return dict(out, worker_wall_s=time.perf_counter() - wall, worker_cpu_s=cpu() - used)
 
 
 def hf_generate(model: Any, pad: int, prompts: Sequence[Sequence[int]], max_new: int

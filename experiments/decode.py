@@ -1,23 +1,29 @@
 """Decode throughput on CPU: paged vs dense, paxkv vs HF transformers, and the cost of reserve.
 
-    python -m experiments.decode                     # all three parts (~25 min on 2 cores)
+    python -m experiments.decode                     # all three parts (~20-25 min, 2 quiet cores)
     python -m experiments.decode --quick             # a small smoke run (< 3 min)
     python -m experiments.decode --only sweep        # one part: sweep | offline | reserve
+    python -m experiments.decode --only offline --max-seqs 32 64   # both engine sizes (+7 min)
 
 1. **sweep**: ``steps.decode_step`` tokens/s through the XLA path (real model, float32) for
    batch x context cells, paged vs dense, each cache built with the context already in it
-   (one jitted reserve, K/V filled with hashed values: attention cost does not depend on them).
-   Each step is timed again with a no-op attention (:class:`NoAttention`), so attention =
-   full - no-attention. Paged and dense hold identical K/V, and one step's logits must agree
-   (per-row relative error < 1e-4) before any figure stands.
+   (one jitted reserve, K/V filled with hashed values: attention cost does not depend on them),
+   window = the context bucket the engine would pick. Each step is followed by the same step
+   through a no-op attention (:class:`NoAttention`), so attention = full - no-attention. Paged
+   and dense hold identical K/V: one step's logits must agree (per-row relative error < 1e-4)
+   and every step's sampled tokens are compared. Peak memory ~7.5 GB (batch 64, context 2048).
 2. **offline**: 64 prompts of 64-512 tokens cut from the Python Language Reference prose that
    CPython ships (``pydoc_data.topics``), 128 greedy tokens each, EOS ignored: ``paxkv.Engine``
-   (paged, continuous batching) vs HF ``generate`` in static left-padded batches of 32, each in
-   its own subprocess so its RSS high-water mark (``getrusage``) is its own. Tokens are compared.
+   (paged, continuous batching, max_seqs 32 by default: in the sweep batch 64 costs the same
+   per token as 32 and holds twice the KV) vs HF ``generate`` in static left-padded batches of
+   32, each in its own subprocess so its RSS high-water mark (``getrusage``, restarted after
+   loading) is its own. The engine runs the workload twice (cold = with compiles, then timed);
+   its greedy tokens are compared with HF's.
 3. **reserve**: jitted ``page_table.reserve`` (decode-style, ``max_new=1``) at 1,024 sequences x
    65,536 pages with the table partly filled, so pages are really allocated on every call.
 
-Writes ``results/decode.json`` (``decode_quick.json`` / ``decode_<part>.json`` for partial runs).
+Writes ``results/decode.json`` (``decode_quick.json`` / ``decode_<part>.json`` for partial runs)
+after every part, with each part's wall and CPU seconds.
 """
 
 from __future__ import annotations
@@ -298,10 +304,13 @@ def _paxkv_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hf_worker(job: dict[str, Any]) -> dict[str, Any]:
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's bars (read at tqdm import)
     import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    if job["hf_threads"]:
+        torch.set_num_threads(job["hf_threads"])
     folder, name = os.path.split(models.default_model_path())
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -339,6 +348,7 @@ def offline(lm, args) -> dict[str, Any]:
     print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens "
           f"(pydoc_data.topics, Python {sys.version.split()[0]}), {args.max_new} new tokens each")
     job = dict(prompts=prompts, max_new=args.max_new, hf_batch=args.hf_batch,
+               hf_threads=args.hf_threads,
                max_len=max(map(len, prompts)) + args.max_new)
     total = len(prompts) * args.max_new
     c = lm.config
@@ -359,7 +369,8 @@ def offline(lm, args) -> dict[str, Any]:
         runs.append(run)
     del hf["tokens"]
     best = max(runs, key=lambda r: r["tok_s"])
-    rows = [[f"HF generate, static batches of {args.hf_batch}", f"{hf['tok_s']:.1f}", "-",
+    rows = [[f"HF generate, static batches of {args.hf_batch}, {hf['torch_threads']} thread(s)",
+             f"{hf['tok_s']:.1f}", "-",
              _rss(hf["peak_rss_mib"]),
              "(grows with the batch)", "(reference)"]]
     for r in runs:
@@ -459,6 +470,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-lens", type=int, nargs=2, metavar=("MIN", "MAX"))
     ap.add_argument("--max-new", type=int)
     ap.add_argument("--hf-batch", type=int)
+    ap.add_argument("--hf-threads", type=int, help="torch threads (0: torch's default). On a "
+                    "busy machine 2 OpenMP threads run ~12x slower than 1: use 1 there")
     ap.add_argument("--max-seqs", type=int, nargs="+", help="engine rows to try")
     ap.add_argument("--num-pages", choices=("fit", "dense"), default="fit",
                     help="engine pool: sized to the workload, or max_seqs full-length rows")
@@ -469,9 +482,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     full = dict(batches=[1, 8, 32, 64], contexts=[128, 512, 2048],
                 check_cell=[8, 512], num_prompts=64, prompt_lens=[64, 512], max_new=128,
-                hf_batch=32, max_seqs=[32, 64])
+                hf_batch=32, hf_threads=0, max_seqs=[32])
     quick = dict(batches=[1, 8], contexts=[128], check_cell=[4, 128],
-                 num_prompts=8, prompt_lens=[16, 64], max_new=16, hf_batch=4, max_seqs=[8])
+                 num_prompts=8, prompt_lens=[16, 64], max_new=16, hf_batch=4, hf_threads=1,
+                 max_seqs=[8])
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -126,7 +126,7 @@ def plot_page_maps(maps: dict[str, dict[str, Any]], path: str, suptitle: str) ->
     for ax, (title, pm) in zip(axes[0], maps.items()):
         _draw_map(ax, pm, title, _columns(len(pm["owner"])))
     fig.suptitle(suptitle, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.045 * (suptitle.count("\n") + 1)))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

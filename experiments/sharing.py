@@ -93,6 +93,20 @@ def _ttft(engine: paxkv.Engine, prompts: list[list[int]], system: list[int],
     return statistics.median(times[1:])
 
 
+def memory_bounds(system: int, own: list[int], new: int, *, page_size: int) -> dict[str, Any]:
+    """The issue's bounds for users sharing a ``system``-token prompt, each with ``own[i]``
+    tokens of its own and ``new`` generated: peak pages <= 1.1 x (the shared pages + every
+    user's unique pages), prefill tokens <= system + sum(own) + 50. A user's unique pages
+    are those past the system prompt's full pages (a partly filled last system page is
+    copied on first write, so each user owns its copy)."""
+    full = system // page_size
+    shared = -(-system // page_size)
+    unique = [-(-(system + q + new) // page_size) - full for q in own]
+    return dict(shared_pages=shared, unique_pages=sum(unique),
+                peak_pages=int(1.1 * (shared + sum(unique))),
+                prefill_tokens=system + sum(own) + 50)
+
+
 def users(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
     system = english_prompts(lm, 1, args.system_tokens, args.system_tokens, seed=args.seed)[0]
     own = english_prompts(lm, args.users + 4, 20, 40, seed=args.seed + 1)
@@ -118,10 +132,15 @@ def users(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
     for run in runs.values():
         del run["tokens"]
     on, off = runs["on"], runs["off"]
+    bounds = memory_bounds(len(system), [len(q) for q in own[: args.users]], args.new_tokens,
+                           page_size=16)
+    for run in runs.values():
+        run["pages_within_bound"] = run["peak_pages"] <= bounds["peak_pages"]
+        run["prefill_within_bound"] = run["prefill_tokens"] <= bounds["prefill_tokens"]
     return dict(config=dict(users=args.users, system_tokens=len(system),
                             own_tokens=[len(q) for q in own[: args.users]],
                             new_tokens=args.new_tokens, page_size=16),
-                on=on, off=off, fork=runs["fork"], tokens_identical=same,
+                bounds=bounds, on=on, off=off, fork=runs["fork"], tokens_identical=same,
                 shared_kv_saving=1 - on["shared_part_kv_bytes"] / off["shared_part_kv_bytes"],
                 peak_kv_saving=1 - on["peak_kv_bytes"] / off["peak_kv_bytes"],
                 ttft_speedup=off["ttft_s"] / on["ttft_s"])
@@ -141,6 +160,8 @@ def hf(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import transformers
 
+    if args.hf_threads:
+        torch.set_num_threads(args.hf_threads)
     prompts, new = chat_prompts(lm, args), args.hf_new_tokens
     total = len(prompts) * new
     max_len = -(-(max(map(len, prompts)) + new + 1) // 16) * 16
@@ -187,10 +208,16 @@ def report(results: dict[str, Any]) -> None:
         print(f"\n{u['config']['users']} users, {u['config']['system_tokens']}-token shared "
               f"prompt, {u['config']['new_tokens']} new tokens; tokens on == off == fork: "
               f"{u['tokens_identical']}")
-        print_table(["sharing", "peak pages", "peak KV MiB", "shared-part KV MiB",
-                     "prefill tokens", "COW copies", "wall s", "TTFT s (one more user)"],
-                    [[k, r["peak_pages"], mib(r["peak_kv_bytes"]), mib(r["shared_part_kv_bytes"]),
-                      r["prefill_tokens"], r["cow_copies"], f"{r['seconds']:.1f}",
+        b = u["bounds"]
+        print(f"bounds: peak pages <= {b['peak_pages']} (1.1 x ({b['shared_pages']} shared + "
+              f"{b['unique_pages']} unique)), prefill tokens <= {b['prefill_tokens']}")
+        yes = lambda ok: "yes" if ok else "no"  # noqa: E731
+        print_table(["sharing", "peak pages", "within bound", "peak KV MiB",
+                     "shared-part KV MiB", "prefill tokens", "within bound", "COW copies",
+                     "wall s", "TTFT s (one more user)"],
+                    [[k, r["peak_pages"], yes(r["pages_within_bound"]), mib(r["peak_kv_bytes"]),
+                      mib(r["shared_part_kv_bytes"]), r["prefill_tokens"],
+                      yes(r["prefill_within_bound"]), r["cow_copies"], f"{r['seconds']:.1f}",
                       f"{r['ttft_s']:.3f}"]
                      for k, r in (("prefix cache", u["on"]), ("none", u["off"]),
                                   ("submit_prefix + fork", u["fork"]))])
@@ -223,6 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="small sizes: proves it runs")
     ap.add_argument("--only", choices=("users", "hf"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-threads", type=int, default=0,
+                    help="torch intra-op threads for HF (0 = torch's default); with neighbours "
+                         "busy, 1 avoids OpenMP barrier stalls (tests/oracle.py)")
     args = ap.parse_args(argv)
     full = dict(users=50, system_tokens=1000, new_tokens=32, hf_prompts=32, hf_system_tokens=400,
                 hf_new_tokens=64)

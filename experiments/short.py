@@ -12,8 +12,9 @@ jitted on its own, blocked until ready, medians over every timed step:
 
 * ``full``: ``steps.decode_step`` (reserve + 30 layers + sampling, cache donated);
 * ``reserve``: the cache's ``reserve`` (paged: ``page_table.reserve`` + ``pool.apply``, i.e.
-  scrubbing fresh pages and the copy-on-write copies) and, paged only, ``table``:
-  ``page_table.reserve`` alone;
+  scrubbing fresh pages and the copy-on-write copies, each skipped by a ``lax.cond`` when
+  there is nothing to do); paged only: ``table`` = ``page_table.reserve`` alone and
+  ``noscrub`` = reserve with ``pool.apply(scrub=False)``;
 * ``attention``: ``cache.attend`` for every layer (K/V write + page gather + the reference
   ``attend_blocks``) in a ``fori_loop`` with the cache in the carry, as the model runs it;
 * ``rest`` = full - reserve - attention (matmuls, norms, sampling, dispatch).
@@ -25,6 +26,7 @@ Target: paged full step <= 1.05 x dense. Writes ``results/short.json`` (``short_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -36,7 +38,7 @@ import numpy as np
 import models
 from experiments.accounting import provenance
 from experiments.common import print_table, record, write_json
-from paxkv import dense_cache, page_table as pt, paged_cache, steps
+from paxkv import dense_cache, page_table as pt, paged_cache, pool as kv_pool, steps
 from paxkv.step_info import StepInfo
 
 KINDS = ("paged", "dense")
@@ -52,6 +54,14 @@ def _reserve_cache(cache: Any, live: jax.Array) -> tuple[Any, jax.Array]:
 @jax.jit
 def _reserve_table(table: pt.PageTable, live: jax.Array) -> tuple[Any, Any, jax.Array]:
     return pt.reserve(table, live.astype(jnp.int32), max_new=1)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _reserve_noscrub(cache: Any, live: jax.Array) -> tuple[Any, jax.Array]:
+    """The paged reserve with ``pool.apply(scrub=False)``: table + copy-on-write copies."""
+    table, update, ok = pt.reserve(cache.table, live.astype(jnp.int32), max_new=1)
+    pool = kv_pool.apply(cache.pool, update, scrub=False)
+    return dataclasses.replace(cache, pool=pool, table=table), ok
 
 
 @functools.partial(jax.jit, static_argnames=("num_layers",), donate_argnames=("cache",))
@@ -138,6 +148,11 @@ def interleaved_repeat(lm: Any, starts: dict[str, tuple[Any, jax.Array]], live: 
     for _ in orders:
         w, c, _ = _timed(_reserve_table, starts["paged"][0].table, live)
         sink["paged"]["table"].append((w, c))
+    cache = _copy(starts["paged"][0])
+    for _ in orders:
+        w, c, (cache, _) = _timed(_reserve_noscrub, cache, live)
+        sink["paged"]["noscrub"].append((w, c))
+    del cache
     return {k: np.stack(v) for k, v in tokens.items()}
 
 
@@ -167,7 +182,8 @@ def measure(lm: Any, batch: int, *, max_len: int = 256, page_size: int = 16, rep
                 for key, heads in zip(keys, (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)))
     starts = {kind: fill_prompts(lm, make_cache(lm, kind, batch, max_len, page_size), prompts)
               for kind in KINDS}
-    times = {kind: {"full": [], "reserve": [], "table": [], "attention": []} for kind in KINDS}
+    times = {kind: {k: [] for k in ("full", "reserve", "table", "noscrub", "attention")}
+             for kind in KINDS}
     for rep in range(reps + 1):  # repeat 0 is the warm-up
         sink = {kind: {k: [] for k in times[kind]} for kind in KINDS} if rep == 0 else times
         tokens = interleaved_repeat(lm, starts, live, qkv, out_len, sink, rep)
@@ -206,6 +222,17 @@ def report(results: list[dict[str, Any]]) -> None:
                      "paged reserve", "dense reserve", "paged attn", "dense attn",
                      "paged rest", "dense rest", "same tokens",
                      f"target <= {TARGET_RATIO:.2f}"], rows)
+    rows = []
+    for r in results:
+        for clock in ("cpu", "wall"):
+            p = r[f"{clock}_ms"]["paged"]
+            rows.append([r["batch"], clock, f"{p['table']:.2f}", f"{p['noscrub']:.2f}",
+                         f"{p['reserve']:.2f}",
+                         f"{100 * (p['reserve'] - p['table']) / p['full']:.1f}%"])
+    print("\npaged reserve, median ms: page table only / + copy-on-write copies (scrub=False) / "
+          "+ scrub (as run)")
+    print_table(["batch", "clock", "table", "table + copies", "table + copies + scrub",
+                 "pool update / paged step"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,8 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     report(results)
     ok = all(r["tokens_identical"] for r in results)
     write_json("short_quick" if args.quick else "short",
-               record(dict(vars(args), model=lm.name, **started), dict(batches=results, target_ratio=TARGET_RATIO,
-                                       outputs_identical=ok)))
+               record(dict(vars(args), model=lm.name, **started),
+                      dict(batches=results, target_ratio=TARGET_RATIO, outputs_identical=ok)))
     if not ok:
         raise SystemExit("paged and dense tokens disagree: no figure stands")
 

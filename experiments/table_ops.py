@@ -22,14 +22,14 @@ _fork = jax.jit(pt.fork)
 _retain = jax.jit(pt.retain)
 
 
-def _host(table: pt.PageTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def host_table(table: pt.PageTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return (np.asarray(table.block_tables), np.asarray(table.lengths),
             np.asarray(table.ref_counts), np.asarray(table.active))
 
 
 def check_invariants(table: pt.PageTable, holds: collections.Counter) -> list[str]:
     """Ref counts equal table entries plus index holds; inactive rows are empty."""
-    bt, lengths, refs, active = _host(table)
+    bt, lengths, refs, active = host_table(table)
     count = np.zeros(table.num_pages + 1, int)
     for row in np.flatnonzero(active):
         n = -(-int(lengths[row]) // table.page_size)
@@ -40,7 +40,8 @@ def check_invariants(table: pt.PageTable, holds: collections.Counter) -> list[st
         count[page] += k
     errors = []
     if (count[:-1] != refs).any():
-        errors.append(f"ref counts differ from holders at pages {np.flatnonzero(count[:-1] != refs)}")
+        bad = np.flatnonzero(count[:-1] != refs)
+        errors.append(f"ref counts differ from holders at pages {bad}")
     if (lengths[~active] != 0).any() or (bt[~active] != table.sentinel).any():
         errors.append("an inactive row holds something")
     return errors
@@ -107,7 +108,7 @@ class TableWorld:
 
     def hold_prefix(self) -> None:
         """The prefix index takes a reference on a decoding row's full pages."""
-        bt, lengths, _, active = _host(self.table)
+        bt, lengths, _, active = host_table(self.table)
         rows = np.flatnonzero(active & (self.prompt_left == 0) & (lengths >= self.table.page_size))
         if rows.size:
             row = self.rng.choice(rows)
@@ -129,7 +130,7 @@ class TableWorld:
             if not rows.size:
                 return
             row = int(self.rng.choice(rows))
-        bt, lengths, refs, _ = _host(self.table)
+        bt, lengths, refs, _ = host_table(self.table)
         pages = bt[row, : -(-int(lengths[row]) // self.table.page_size)]
         if kind is None:
             kind = ("mid_prompt" if self.prompt_left[row] > 0 else
@@ -176,7 +177,8 @@ def random_ops(n_ops: int, *, seed: int = 0, max_seqs: int = 16, num_pages: int 
         counts[op] += 1
         if (k + 1) % check_every == 0:
             errors += [f"op {k}: {e}" for e in check_invariants(world.table, world.holds)]
-            peak_used = max(peak_used, num_pages - int(np.sum(np.asarray(world.table.ref_counts) == 0)))
+            free = int(np.sum(np.asarray(world.table.ref_counts) == 0))
+            peak_used = max(peak_used, num_pages - free)
     for row in np.flatnonzero(world.active()):
         world.cancel(int(row), kind="drain")
     pages = np.array(sorted(world.holds), np.int32)

@@ -117,7 +117,10 @@ class Scheduler(Sharing):
 
     def _prefill(self, group: list[Request]) -> None:
         self._prefilled([r for r in group if r.cached >= r.target])  # fully cached
-        group = [r for r in group if r.cached < r.target]
+        # Longest first, so each batch pads its prompts to similar lengths (arrival order
+        # padded 64-512 token prompts to a common bucket and wasted ~40% of prefill).
+        group = sorted((r for r in group if r.cached < r.target),
+                       key=lambda r: r.target - r.cached, reverse=True)
         while group:
             longest = max(r.target - r.cached for r in group)
             t = _bucket(longest, 16, self.prefill_chunk)
