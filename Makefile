@@ -22,7 +22,7 @@ demo: $(VENV)/.runtime
 	$(PY) -m experiments.demo
 
 test: $(VENV)/.testing
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

@@ -12,27 +12,21 @@ The pieces, in the order data flows through them:
   it, through ``n`` samples and through :meth:`paxkv.Engine.fork` (trees of thought).
 """
 
-from paxkv import dense_cache, page_table, paged_cache, pool, steps
+from paxkv import dense_cache, page_table, paged_cache, pool, prefix_cache, steps
 from paxkv.beam_search import Beam, beam_search
 from paxkv.dense_cache import DenseCache
-from paxkv.engine import Engine, GenerationResult
+from paxkv.engine import Engine, EngineStats, GenerationResult, SequenceStats
 from paxkv.generate import generate
 from paxkv.paged_cache import PagedCache
-from paxkv.page_table import PageTable, PoolUpdate, TableStats
+from paxkv.page_table import PageTable, PoolUpdate, SharingStats, TableStats
 from paxkv.pool import KVPool
+from paxkv.prefix_cache import PrefixIndex
 from paxkv.sampling import SamplingParams
 from paxkv.step_info import StepInfo
 
 __all__ = [
-    "DenseCache", "Engine", "GenerationResult", "KVPool", "PageTable", "PagedCache",
-    "PoolUpdate", "SamplingParams", "StepInfo", "TableStats", "dense_cache", "generate",
-    "page_table", "paged_cache", "pool", "steps",
+    "Beam", "DenseCache", "Engine", "EngineStats", "GenerationResult", "KVPool", "PageTable",
+    "PagedCache", "PoolUpdate", "PrefixIndex", "SamplingParams", "SequenceStats",
+    "SharingStats", "StepInfo", "TableStats", "beam_search", "dense_cache", "generate",
+    "page_table", "paged_cache", "pool", "prefix_cache", "steps",
 ]
-__all__ += ["Beam", "beam_search"]
-
-from paxkv import prefix_cache  # noqa: E402 - shared pages (issue 3): index, engine accounting
-from paxkv.engine import EngineStats, SequenceStats  # noqa: E402
-from paxkv.page_table import SharingStats  # noqa: E402
-from paxkv.prefix_cache import PrefixIndex  # noqa: E402
-
-__all__ += ["EngineStats", "PrefixIndex", "SequenceStats", "SharingStats", "prefix_cache"]

@@ -33,6 +33,17 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, 1 << max(0, int(n) - 1).bit_length())))
 
 
+def _window(n: int, lo: int, hi: int) -> int:
+    """Tokens attention reads per row for a batch whose longest row holds ``n``: the first of
+    64, 96, 128, 192, 256, 384, ... (powers of two and 1.5 x powers of two) >= n, clamped to
+    [lo, hi]. Every row reads the whole window, so power-of-two windows waste up to half the
+    attention work; this caps the waste at a third for two compiled shapes per doubling."""
+    p = 1 << max(0, int(n) - 1).bit_length()
+    if 4 * n <= 3 * p:
+        p = 3 * p // 4
+    return int(min(hi, max(lo, p)))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -139,7 +150,7 @@ class Scheduler(Sharing):
         for i, r in enumerate(batch):
             chunk = r.tokens[r.cached: min(r.cached + t, r.target)]
             tokens[i, : len(chunk)], rows[i], qlen[i] = chunk, r.row, len(chunk)
-        window = _bucket(max(r.cached + int(q) for r, q in zip(batch, qlen)), 64, self.max_len)
+        window = _window(max(r.cached + int(q) for r, q in zip(batch, qlen)), 64, self.max_len)
         self.cache = self.cache.with_window(window)
         probe = self._cow_probe()
         self.cache, nxt, ok, free = steps.prefill_step(
@@ -178,14 +189,31 @@ class Scheduler(Sharing):
     def _decode(self, live: np.ndarray) -> None:
         if self.index is not None and int(live.sum()) > self._free:
             self._evict(int(live.sum()) - self._free)  # each row may need a page or a copy
-        window = _bucket(max(len(r.tokens) for r in self._rows if r is not None), 64,
+        window = _window(max(len(r.tokens) for r in self._rows if r is not None), 64,
                          self.max_len)
         self.cache = self.cache.with_window(window)
         probe = self._cow_probe()
-        self.cache, nxt, ok, free = steps.decode_step(
-            self.lm.forward, self.lm.params, self.cache, jnp.asarray(self._last_token),
-            jnp.asarray(live), self._sampling_for(None), attention_impl=self.attention_impl)
-        nxt, ok = np.asarray(nxt), np.asarray(ok)
+        live_rows = np.flatnonzero(live)
+        width = _bucket(live_rows.size, 8, self.max_seqs)
+        if width < self.max_seqs:
+            # Few rows live: run only them (a batch of ``width`` rows gathered by ``rows``)
+            # rather than every row of the cache; one token each is a one-token prefill.
+            rows = np.full(width, live_rows[0], np.int32)
+            rows[: live_rows.size] = live_rows
+            qlen = (np.arange(width) < live_rows.size).astype(np.int32)
+            self.cache, nxt_b, ok_b, free = steps.prefill_step(
+                self.lm.forward, self.lm.params, self.cache,
+                jnp.asarray(self._last_token[rows][:, None]), jnp.asarray(rows),
+                jnp.asarray(qlen), self._sampling_for(rows), attention_impl=self.attention_impl)
+            nxt, ok = np.zeros(self.max_seqs, np.int32), np.zeros(self.max_seqs, bool)
+            nxt[live_rows] = np.asarray(nxt_b)[: live_rows.size]
+            ok[live_rows] = np.asarray(ok_b)[: live_rows.size]
+        else:
+            self.cache, nxt, ok, free = steps.decode_step(
+                self.lm.forward, self.lm.params, self.cache, jnp.asarray(self._last_token),
+                jnp.asarray(live), self._sampling_for(None),
+                attention_impl=self.attention_impl)
+            nxt, ok = np.asarray(nxt), np.asarray(ok)
         self._note_free(int(free))
         self._count_copies(probe)
         self.num_decode_tokens += int(ok.sum())

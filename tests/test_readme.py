@@ -28,3 +28,13 @@ def test_readme_generate_example_runs():
     exec(compile(_python_blocks()[1], "README.md", "exec"), namespace)  # noqa: S102
     out = namespace["out"]
     assert len(out) == 2 and all(len(r.token_ids) >= 1 for r in out)
+
+
+def test_readme_sharing_example_runs():
+    namespace: dict = {}
+    exec(compile(_python_blocks()[2], "README.md", "exec"), namespace)  # noqa: S102
+    outs, beams = namespace["outs"], namespace["beams"]
+    assert [len(o.samples) for o in outs] == [2, 2]
+    assert outs[1].num_cached_tokens > 0  # the second prompt found the system prompt cached
+    scores = [b.score for b in beams[0]]
+    assert len(scores) == 4 and scores == sorted(scores, reverse=True)
