@@ -88,8 +88,13 @@ def main() -> None:
     paged, paged_row = run(lm, "paged", prompts, args)
     dense, dense_row = run(lm, "dense", prompts, args)
     agree = all(a.token_ids == b.token_ids for a, b in zip(paged, dense))
+    eos = set(lm.eos_token_ids)
     for q, r in list(zip(QUESTIONS, paged))[: args.show]:
-        print(f"user: {q}\npax:  {r.text.strip()[:300]}\n")
+        # Every user decodes all max_new_tokens (EOS ignored: equal work for the timing);
+        # the answer shown ends at the first end-of-turn token.
+        ids = r.token_ids
+        end = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+        print(f"user: {q}\npax:  {lm.decode(ids[:end]).strip()[:300]}\n")
 
     rows = []
     for row in (paged_row, dense_row):
