@@ -55,8 +55,8 @@ def apply(pool: KVPool, update: PoolUpdate, *, scrub: bool = True) -> KVPool:
     no-ops.
 
     Each half runs under ``lax.cond``: most decode steps hand out no page and copy none, and
-    an unconditional gather of ``copy_src`` would read ``max_seqs`` pages of every layer
-    (23 MB at batch 64 for the default model) on every step only to drop the result.
+    an unconditional gather of ``copy_src`` would read ``max_seqs`` pages of every layer of K
+    and V (47 MB at batch 64 for the default model) on every step only to drop the result.
     """
     limit = pool.num_pages + 1  # ids >= limit are no-ops
 
