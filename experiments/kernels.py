@@ -9,6 +9,7 @@ also as a fraction of a measured device-to-device copy rate.
     python -m experiments.kernels            # full sweep, < 10 min on an H200
     python -m experiments.kernels --quick    # two small points
     python -m experiments.kernels --interpret  # tiny CPU smoke run of the Mosaic kernel
+    python -m experiments.kernels --tune       # paxkv kernel only: pages_per_block x num_splits
 
 Writes ``results/kernels.json`` (config, versions, device, git SHA, rows) and prints a table.
 """
@@ -16,6 +17,7 @@ Writes ``results/kernels.json`` (config, versions, device, git SHA, rows) and pr
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import pathlib
@@ -37,12 +39,16 @@ FULL_SWEEP = (  # (batch, context, page_size): batch x context sweep, then page 
     + [(32, 8192, p) for p in (16, 32, 64, 128)])
 QUICK_SWEEP = [(4, 512, 16), (16, 4096, 64)]
 INTERPRET_SWEEP = [(2, 128, 16)]
+TUNE_SWEEP = [(64, 32768, 16), (16, 4096, 16), (256, 512, 16), (1, 32768, 16)]
+TUNE_GRID = [(ppb, splits) for ppb in (4, 8) for splits in (1, 2, 4, 8, 16, 32)]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="two small points, few iterations")
     p.add_argument("--interpret", action="store_true", help="tiny CPU run in interpret mode")
+    p.add_argument("--tune", action="store_true",
+                   help="the paxkv kernel alone over pages_per_block x num_splits")
     p.add_argument("--num-q-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -83,6 +89,12 @@ def dense_kv(pages, table):
 def implementations(args, q, k_pages, v_pages, table, lengths, interpret):
     """name -> zero-argument callable; each builds its inputs once, outside the timing."""
     scale = args.head_dim ** -0.5
+    if args.tune:  # the paxkv kernel at each (pages_per_block, num_splits) that fits
+        blocks = lambda ppb: -(-table.shape[1] // ppb)  # noqa: E731
+        return {f"paxkv_ppb{ppb}_splits{n}": functools.partial(
+                    paged_decode_attention, q, k_pages, v_pages, table, lengths,
+                    pages_per_block=ppb, num_splits=n, interpret=interpret)
+                for ppb, n in TUNE_GRID if n <= blocks(ppb)}
     impls = {"paxkv_paged": lambda: paged_decode_attention(q, k_pages, v_pages, table, lengths,
                                                             interpret=interpret)}
     k, v = jax.block_until_ready((dense_kv(k_pages, table), dense_kv(v_pages, table)))
@@ -155,7 +167,7 @@ def format_row(r):
     timing = (f"{r['median_ms']:9.3f} ms {r['gbps']:8.1f} GB/s {100 * r['frac_of_copy']:5.1f}%"
               if "median_ms" in r else f"{'-':>9}    {'-':>8}       {'-':>5} ")
     status = "ok" if r["ok"] else r.get("error", f"WRONG (err {r.get('max_rel_err', 0):.2g})")
-    return (f"{r['batch']:5d} {r['context']:6d} {r['page_size']:4d}  {r['impl']:20s} {timing}"
+    return (f"{r['batch']:5d} {r['context']:6d} {r['page_size']:4d}  {r['impl']:22s} {timing}"
             f"  {status}")
 
 
@@ -182,7 +194,8 @@ def main(argv=None):
                  " pass --interpret for a tiny CPU smoke run of the Mosaic kernel.")
     if args.interpret:
         args.num_q_heads, args.num_kv_heads, args.head_dim, args.iters = 4, 2, 64, 2
-    sweep = INTERPRET_SWEEP if args.interpret else QUICK_SWEEP if args.quick else FULL_SWEEP
+    sweep = (INTERPRET_SWEEP if args.interpret else TUNE_SWEEP if args.tune
+             else QUICK_SWEEP if args.quick else FULL_SWEEP)
     if args.quick:
         args.iters = min(args.iters, 5)
     copy_bps = copy_rate(args.interpret)
@@ -191,6 +204,7 @@ def main(argv=None):
           " of copy")
     rows = [r for point in sweep for r in run_point(args, point, copy_bps, args.interpret)]
     out = pathlib.Path(args.out or ("results/kernels_interpret.json" if args.interpret
+                                    else "results/kernels_tune.json" if args.tune
                                     else "results/kernels.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(**provenance(args), copy_gbps=copy_bps / 1e9, rows=rows),

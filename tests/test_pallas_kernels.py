@@ -1,5 +1,8 @@
 """The Mosaic GPU kernels against the jnp oracle, in interpret mode on CPU, plus CUDA lowering.
 
+On a machine with a GPU the same tests compile and run the kernels for real (``INTERPRET`` is
+False there): ``python -m pytest tests/test_pallas_kernels.py`` is the GPU correctness check.
+
 Interpret mode compiles one large XLA program per shape (~4 s here), so the matrix is chosen,
 not crossed: each attention case packs the length edge cases (0, 1, page_size - 1,
 page_size, page_size + 1, long) into one batch and runs that one compiled kernel on clean and
@@ -23,7 +26,7 @@ from pallas_kernels.paged_prefill import paged_prefill_attention
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       paged_prefill_attention_reference)
 
-INTERPRET = True
+INTERPRET = jax.default_backend() != "gpu"  # on a GPU: compiled, not interpreted
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 2e-2}
 
 
@@ -197,6 +200,7 @@ def test_prefill_reads_its_layer_of_the_pool():
     assert_rows_close(out, ref, case.dtype, row_axes=(0, 1, 2))
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the race detector is the CPU interpreter's")
 def test_double_buffering_has_no_races():
     """The interpreter's race detector sees every TMA write ordered before the reads."""
     case = Case(2, 64, "bfloat16")
@@ -429,3 +433,15 @@ def test_whole_pool_feeds_the_custom_call_unsliced(name):
             lowering_platforms=("cuda",)).as_text()
         assert len(pool_slices(sliced, POOL)) == 2
 
+
+
+def test_auto_num_splits_fills_the_gpu_without_tiny_splits():
+    """The rule tuned on an H200 (experiments/README.md, kernels): ~2,048 programs, at most 32
+    splits, at least 4 blocks per split, and never below one split."""
+    from pallas_kernels.paged_decode import auto_num_splits
+    assert [auto_num_splits(b, 8, blocks) for b, blocks in
+            ((64, 512), (16, 64), (1, 512), (256, 8))] == [4, 16, 32, 1]
+    for batch in (1, 3, 64, 1000):
+        for blocks in (1, 3, 4, 17, 4096):
+            n = auto_num_splits(batch, 2, blocks)
+            assert 1 <= n <= 32 and (n == 1 or blocks // n >= 4)

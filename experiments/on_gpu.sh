@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every GPU check and timing in one call: a lent GPU is held for minutes, so this runs the
+# kernel tests compiled for the device, the kernel sweep and the model's decode step in one go,
+# each stage under its own time limit, and leaves every log and JSON in one folder.
+#
+#   bash experiments/on_gpu.sh [OUT_DIR]      # default results/gpu; ~7 min on an H200
+#   STAGES="kernels_tune gpu_model" bash experiments/on_gpu.sh   # some stages only
+#
+# Needs jax with CUDA, flax, numpy, pytest, hypothesis, gguf, tokenizers, jinja2 (no model file:
+# the model stage uses SmolLM2-135M's shapes with random weights).
+set -uo pipefail
+out=${1:-results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+py=${PYTHON:-python3}
+
+stages=" ${STAGES:-env kernel_tests kernels kernels_tune gpu_model} "
+
+stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log to $out/NAME.txt
+  local name=$1 limit=$2; shift 2
+  [[ $stages == *" $name "* ]] || return 0
+  echo "== $name (limit ${limit}s) $(date -u +%T)"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
+  echo "== $name: exit ${PIPESTATUS[0]}"
+}
+
+stage env 60 bash -c "nvidia-smi -L; $py -c 'import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())'; git rev-parse HEAD"
+stage kernel_tests 150 "$py" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_pallas_kernels.py
+stage kernels 200 "$py" -m experiments.kernels --out "$out/kernels.json"
+stage kernels_tune 150 "$py" -m experiments.kernels --tune --out "$out/kernels_tune.json"
+stage gpu_model 200 "$py" -m experiments.gpu_model
+cp results/gpu_model.json "$out/" 2>/dev/null
+ls -l "$out"
