@@ -14,8 +14,9 @@
    not (median of 3, after a warm-up). Tokens must agree.
 2. **hf**: 32 chat prompts sharing a 400-token system prompt, each with its own 16-32 token
    question, 64 new tokens, greedy, EOS ignored: paxkv (continuous batching) with sharing on
-   and off vs HF ``generate`` in one static batch of 32 (all after a warm-up pass). On and off
-   must agree token for token; agreement with HF is reported.
+   and off vs HF ``generate`` in one static batch of 32, after a warm-up pass each; the
+   sharing-on and HF passes alternate ``--repeats`` times (3) and the ratio is of their median
+   times. On and off must agree token for token; agreement with HF is reported.
 
 Writes ``results/sharing.json`` (``sharing_quick.json`` with ``--quick``).
 """
@@ -164,6 +165,9 @@ def chat_prompts(lm: Any, args: argparse.Namespace) -> list[list[int]]:
 
 
 def hf(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """paxkv with sharing on / off vs HF static ``generate``; the on and HF passes alternate
+    ``args.repeats`` times (this machine's speed drifts 10-20% between minutes), and the ratio
+    is taken of their medians."""
     import torch
     import transformers
 
@@ -172,40 +176,55 @@ def hf(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
     prompts, new = chat_prompts(lm, args), args.hf_new_tokens
     total = len(prompts) * new
     max_len = -(-(max(map(len, prompts)) + new + 1) // 16) * 16
-    runs = {}
-    for on in (True, False):
-        out = None
-        for _ in range(2):  # warm-up (compiles), then timed on a fresh pool and cache
-            engine = paxkv.Engine(lm, max_seqs=len(prompts), max_len=max_len, page_size=16,
-                                  prefix_cache=on)
-            ids = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
-            start = time.perf_counter()
-            results = engine.run()
-            seconds = time.perf_counter() - start
-            out = dict(tokens=[results[i].token_ids for i in ids], seconds=seconds,
-                       tok_s=total / seconds, prefill_tokens=engine.stats().prefill_tokens,
-                       peak_pages=engine.peak_pages_used)
-            del engine
-        runs["on" if on else "off"] = out
     transformers.utils.logging.disable_progress_bar()
     folder, name = os.path.split(models.default_model_path())
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     pad = 0 if tok.pad_token_id is None else int(tok.pad_token_id)
-    hf_generate(model, pad, [p[:16] for p in prompts[:2]], 2)  # warm-up
-    start = time.perf_counter()
-    hf_tokens = hf_generate(model, pad, prompts, new)
-    hf_run = dict(seconds=time.perf_counter() - start, torch_threads=torch.get_num_threads())
-    hf_run["tok_s"] = total / hf_run["seconds"]
-    same = runs["on"]["tokens"] == runs["off"]["tokens"]
-    agreement = token_agreement(runs["on"].pop("tokens"), hf_tokens, new)
-    runs["off"].pop("tokens")
+
+    def paxkv_pass(on: bool) -> dict[str, Any]:
+        engine = paxkv.Engine(lm, max_seqs=len(prompts), max_len=max_len, page_size=16,
+                              prefix_cache=on)
+        ids = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
+        start = time.perf_counter()
+        results = engine.run()
+        seconds = time.perf_counter() - start
+        return dict(tokens=[results[i].token_ids for i in ids], seconds=seconds,
+                    prefill_tokens=engine.stats().prefill_tokens,
+                    peak_pages=engine.peak_pages_used)
+
+    def hf_pass() -> dict[str, Any]:
+        start = time.perf_counter()
+        tokens = hf_generate(model, pad, prompts, new)
+        return dict(tokens=tokens, seconds=time.perf_counter() - start)
+
+    for on in (True, False):
+        paxkv_pass(on)  # warm-up: compiles
+    hf_generate(model, pad, [p[:16] for p in prompts[:2]], 2)
+    passes: dict[str, list[dict[str, Any]]] = dict(on=[], off=[paxkv_pass(False)], hf=[])
+    for _ in range(args.repeats):
+        passes["on"].append(paxkv_pass(True))
+        passes["hf"].append(hf_pass())
+
+    def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        seconds = statistics.median(r["seconds"] for r in runs)
+        out = {k: v for k, v in runs[0].items() if k not in ("tokens", "seconds")}
+        return dict(out, seconds=seconds, tok_s=total / seconds,
+                    pass_seconds=[r["seconds"] for r in runs])
+
+    on, off, hf_run = (summary(passes[k]) for k in ("on", "off", "hf"))
+    hf_run["torch_threads"] = torch.get_num_threads()
+    tokens = {k: [r["tokens"] for r in v] for k, v in passes.items()}
+    same = all(t == tokens["off"][0] for t in tokens["on"] + tokens["off"])
+    agreement = token_agreement(tokens["on"][0], tokens["hf"][0], new)
     return dict(config=dict(prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
-                            new_tokens=new, page_size=16),
-                on=runs["on"], off=runs["off"], hf_static=hf_run, tokens_identical=same,
-                hf_agreement=agreement, vs_hf_static=runs["on"]["tok_s"] / hf_run["tok_s"],
-                off_vs_hf_static=runs["off"]["tok_s"] / hf_run["tok_s"])
+                            new_tokens=new, page_size=16, repeats=args.repeats),
+                on=on, off=off, hf_static=hf_run, tokens_identical=same,
+                hf_agreement=agreement, vs_hf_static=on["tok_s"] / hf_run["tok_s"],
+                vs_hf_static_per_pass=[h["seconds"] / o["seconds"]
+                                       for o, h in zip(passes["on"], passes["hf"])],
+                off_vs_hf_static=off["tok_s"] / hf_run["tok_s"])
 
 
 def report(results: dict[str, Any]) -> None:
@@ -233,7 +252,9 @@ def report(results: dict[str, Any]) -> None:
         print(f"\n{h['config']['prompts']} chat prompts sharing a system prompt, "
               f"{h['config']['new_tokens']} new tokens; tokens on == off: {h['tokens_identical']};"
               f" identical to HF: {h['hf_agreement']['identical']:.0%}")
-        print_table(["engine", "tok/s", "wall s", "prefill tokens", "vs HF static"],
+        print(f"per pass (on then HF, alternating): HF s / paxkv s = "
+              f"{', '.join(f'{r:.2f}' for r in h['vs_hf_static_per_pass'])}")
+        print_table(["engine", "tok/s", "wall s (median)", "prefill tokens", "vs HF static"],
                     [["paxkv, sharing on", f"{h['on']['tok_s']:.1f}", f"{h['on']['seconds']:.1f}",
                       h["on"]["prefill_tokens"], f"{h['vs_hf_static']:.2f}x"],
                      ["paxkv, sharing off", f"{h['off']['tok_s']:.1f}",
@@ -262,9 +283,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "busy, 1 avoids OpenMP barrier stalls (tests/oracle.py)")
     args = ap.parse_args(argv)
     full = dict(users=50, system_tokens=1000, new_tokens=32, hf_prompts=32, hf_system_tokens=400,
-                hf_new_tokens=64)
+                hf_new_tokens=64, repeats=3)
     quick = dict(users=8, system_tokens=256, new_tokens=4, hf_prompts=4, hf_system_tokens=100,
-                 hf_new_tokens=8)
+                 hf_new_tokens=8, repeats=1)
     for k, v in (quick if args.quick else full).items():
         setattr(args, k, v)
     return args

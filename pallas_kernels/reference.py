@@ -82,6 +82,78 @@ def attend_blocks(
     return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
 
 
+def attend_blocks_with_prefix(
+    q: jax.Array,
+    k_prefix: jax.Array,
+    v_prefix: jax.Array,
+    k_blocks: jax.Array,
+    v_blocks: jax.Array,
+    q_positions: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float,
+) -> jax.Array:
+    """:func:`attend_blocks` when every row's first keys are the same pages (cascade attention).
+
+    Fifty users of one system prompt, or the beams of one prompt, point their first block-table
+    columns at the same physical pages. Read per row, those pages cost ``rows`` small products
+    per kv head (``[group, d] x [d, prefix]``); read once, they are one product
+    ``[rows * q_len * group, d] x [d, prefix]`` per kv head, the shape a CPU (or GPU) runs at
+    full speed. The per-row rest is the usual gather over ``k_blocks``; one softmax spans both
+    parts, so the result equals :func:`attend_blocks` over the concatenated keys.
+
+    Args:
+      q: ``[batch, q_len, num_q_heads, head_dim]``.
+      k_prefix, v_prefix: ``[prefix_pages, num_kv_heads, page_size, head_dim]``: keys at
+        positions ``[0, prefix_pages * page_size)`` of every row. The caller guarantees every
+        live query sits at or after the prefix's end (all of it visible) and every row holds
+        it (``lengths >= prefix``).
+      k_blocks, v_blocks: ``[batch, num_blocks, num_kv_heads, block_size, head_dim]``: key
+        position ``prefix + m * block_size + s`` is ``k_blocks[:, m, :, s]``.
+      q_positions: int32 ``[batch, q_len]`` (negative: padding, yields zeros).
+      lengths: int32 ``[batch]``: keys at positions ``>= lengths`` are never read.
+
+    Returns:
+      ``[batch, q_len, num_q_heads, head_dim]`` in ``q.dtype``.
+    """
+    batch, q_len, num_q_heads, head_dim = q.shape
+    prefix_pages, num_kv_heads, page_size, _ = k_prefix.shape
+    _, num_blocks, _, block_size, _ = k_blocks.shape
+    group = num_q_heads // num_kv_heads
+    prefix = prefix_pages * page_size
+    q_grouped = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    real = (q_positions >= 0)[:, :, None, None]  # [b, t, 1, 1]
+
+    # The shared part: [kv_heads, prefix, d], one product per kv head for all rows; in float32
+    # (it is read once, and XLA:CPU has no bf16 x bf16 -> f32 kernel for this product).
+    f32 = jnp.float32
+    k_shared = k_prefix.transpose(1, 0, 2, 3).reshape(num_kv_heads, prefix, head_dim).astype(f32)
+    v_shared = v_prefix.transpose(1, 0, 2, 3).reshape(num_kv_heads, prefix, head_dim).astype(f32)
+    s_shared = jnp.einsum("btkgd,ksd->btkgs", q_grouped.astype(f32), k_shared) * sm_scale
+    s_shared = jnp.where(real[..., None], s_shared, _NEG_INF)
+
+    # The per-row rest, masked as in attend_blocks.
+    key_pos = prefix + jnp.arange(num_blocks)[:, None] * block_size + jnp.arange(block_size)
+    key_live = key_pos[None] < lengths[:, None, None]  # [b, m, s]
+    visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
+    visible &= real  # [b, t, m, s]
+    s_own = jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
+                       preferred_element_type=jnp.float32) * sm_scale
+    s_own = jnp.where(visible[:, :, None, None], s_own, _NEG_INF)
+
+    row_max = jnp.maximum(jnp.max(s_shared, axis=-1), jnp.max(s_own, axis=(-2, -1)))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # [b, t, k, g]
+    p_shared = jnp.exp(s_shared - row_max[..., None])
+    p_own = jnp.exp(s_own - row_max[..., None, None])
+    denom = jnp.sum(p_shared, axis=-1) + jnp.sum(p_own, axis=(-2, -1))
+    v_live = jnp.where(key_live[:, :, None, :, None], v_blocks, jnp.zeros((), v_blocks.dtype))
+    out = (jnp.einsum("btkgs,ksd->btkgd", p_shared, v_shared)
+           + jnp.einsum("btkgms,bmksd->btkgd", p_own.astype(v_blocks.dtype), v_live,
+                        preferred_element_type=jnp.float32))
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
+
+
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
     """``[num_pages, kv_heads, page_size, head_dim]`` x ``[batch, max_pages]`` ->
     ``[batch, max_pages, kv_heads, page_size, head_dim]``."""

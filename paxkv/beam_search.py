@@ -252,6 +252,8 @@ def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
     num_pages = p * (-(-width // ps) + w * (-(-n // ps) + 1))
     kv = (paged_cache.create(num_pages=num_pages, page_size=ps, **dims) if cache == "paged"
           else dense_cache.create(**dims))
+    if cache == "paged" and p == 1:  # every beam starts with the prompt's pages: read them once
+        kv = kv.with_shared_prefix(paged_cache.prefix_bucket(lens[0] // ps))
     start = time.perf_counter()
     kv, logp0, ok = _prefill_fork(lm.forward, lm.params, kv, jnp.asarray(tokens),
                                   jnp.asarray(lens, jnp.int32), beam_width=w,

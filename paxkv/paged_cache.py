@@ -13,14 +13,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import attend_blocks, default_sm_scale
+from jax import lax
+
+from pallas_kernels.reference import attend_blocks, attend_blocks_with_prefix, default_sm_scale
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
 from paxkv.step_info import StepInfo
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "table"],
-                   meta_fields=["scrub", "window_pages"])
+                   meta_fields=["scrub", "window_pages", "prefix_pages"])
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
     """Paged KV for ``max_seqs`` sequences.
@@ -31,12 +33,18 @@ class PagedCache:
       scrub: zero pages when they are handed out (static).
       window_pages: static bound on the pages attention reads per row (a context bucket: the
         XLA path gathers only this many table columns); None reads the whole row.
+      prefix_pages: static hint that every live row's first ``prefix_pages`` table columns are
+        the same pages (a shared system prompt, the prompt of beams or samples). The XLA path
+        then checks it inside the step and, when it holds, reads those pages once for all rows
+        (:func:`attend_blocks_with_prefix`); when it does not, it attends as without the hint.
+        0: no hint.
     """
 
     pool: kv_pool.KVPool
     table: pt.PageTable
     scrub: bool = True
     window_pages: int | None = None
+    prefix_pages: int = 0
 
     # -- the cache protocol -------------------------------------------------------------
     @property
@@ -83,6 +91,10 @@ class PagedCache:
             self.table.max_pages_per_seq, -(-max_tokens // self.table.page_size))
         return dataclasses.replace(self, window_pages=pages)
 
+    def with_shared_prefix(self, num_pages: int) -> "PagedCache":
+        """The same cache with the ``prefix_pages`` hint (static; see the class docstring)."""
+        return dataclasses.replace(self, prefix_pages=max(0, int(num_pages)))
+
     def stats(self) -> pt.TableStats:
         return pt.stats(self.table)
 
@@ -108,12 +120,48 @@ class PagedCache:
                                        step)
         elif impl == "xla":
             pool = kv_pool.write(self.pool, layer, k, v, pages, offsets)
-            out = attend_blocks(q, pool.k[layer, block_tables], pool.v[layer, block_tables],
-                                step.positions, step.lengths,
-                                sm_scale=default_sm_scale(q.shape[-1], None))
+            out = _xla_attend(pool, layer, q, block_tables, step, self.prefix_pages,
+                              self.table.page_size)
         else:
             raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
         return dataclasses.replace(self, pool=pool), out
+
+
+def prefix_bucket(num_pages: int) -> int:
+    """The largest of 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 x powers of
+    two) <= ``num_pages``: callers round a shared-prefix hint down to it, so a changing prefix
+    length compiles a handful of steps, not one per length."""
+    if num_pages < 1:
+        return 0
+    p = 1 << (int(num_pages).bit_length() - 1)
+    return int(3 * p // 2 if p >= 2 and 3 * p // 2 <= num_pages else p)
+
+
+def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
+                step: StepInfo, prefix_pages: int, page_size: int) -> jax.Array:
+    """Gather + masked einsum over ``block_tables`` ``[b, window]``; with a ``prefix_pages``
+    hint that holds this step, the shared pages are read once (cascade) instead of per row."""
+    sm_scale = default_sm_scale(q.shape[-1], None)
+
+    def per_row() -> jax.Array:
+        return attend_blocks(q, pool.k[layer, block_tables], pool.v[layer, block_tables],
+                             step.positions, step.lengths, sm_scale=sm_scale)
+
+    if not 0 < prefix_pages < block_tables.shape[1]:
+        return per_row()
+    live = step.query_lengths > 0
+    shared = block_tables[jnp.argmax(live), :prefix_pages]  # the first live row's prefix
+
+    def cascade() -> jax.Array:
+        rest = block_tables[:, prefix_pages:]
+        return attend_blocks_with_prefix(
+            q, pool.k[layer, shared], pool.v[layer, shared], pool.k[layer, rest],
+            pool.v[layer, rest], step.positions, step.lengths, sm_scale=sm_scale)
+
+    holds = (jnp.any(live)
+             & jnp.all((block_tables[:, :prefix_pages] == shared) | ~live[:, None])
+             & jnp.all((step.positions >= prefix_pages * page_size) | (step.positions < 0)))
+    return lax.cond(holds, cascade, per_row)
 
 
 def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, k: jax.Array,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv import steps
+from paxkv.paged_cache import prefix_bucket
 from paxkv.prefix_cache import Hit, PrefixIndex
 from paxkv.request import Request
 from paxkv.sampling import SamplingParams
@@ -33,11 +34,12 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, 1 << max(0, int(n) - 1).bit_length())))
 
 
-def _window(n: int, lo: int, hi: int) -> int:
-    """Tokens attention reads per row for a batch whose longest row holds ``n``: the first of
-    64, 96, 128, 192, 256, 384, ... (powers of two and 1.5 x powers of two) >= n, clamped to
-    [lo, hi]. Every row reads the whole window, so power-of-two windows waste up to half the
-    attention work; this caps the waste at a third for two compiled shapes per doubling."""
+def _fine_bucket(n: int, lo: int, hi: int) -> int:
+    """The first of ..., 16, 24, 32, 48, 64, 96, 128, 192, ... (powers of two and 1.5 x powers
+    of two) >= n, clamped to [lo, hi]: attention windows (tokens every row reads, for a batch
+    whose longest row holds ``n``) and prefill widths (tokens every row is padded to). Power-of-
+    two sizes waste up to half of that work; these cap the waste at a third for two compiled
+    shapes per doubling."""
     p = 1 << max(0, int(n) - 1).bit_length()
     if 4 * n <= 3 * p:
         p = 3 * p // 4
@@ -134,12 +136,12 @@ class Scheduler(Sharing):
                        key=lambda r: r.target - r.cached, reverse=True)
         while group:
             longest = max(r.target - r.cached for r in group)
-            t = _bucket(longest, 16, self.prefill_chunk)
+            t = _fine_bucket(longest, 16, self.prefill_chunk)
             b_max = max(1, self.prefill_tokens // t)
             batch, group = group[:b_max], group[b_max:]
             while batch:  # the last chunk of a long prompt runs at a smaller width
                 batch = self._prefill_chunk(batch, t)
-                t = _bucket(max([r.target - r.cached for r in batch], default=1), 16, t)
+                t = _fine_bucket(max([r.target - r.cached for r in batch], default=1), 16, t)
 
     def _prefill_chunk(self, batch: list[Request], t: int) -> list[Request]:
         """Feeds the next ``t`` tokens of each request; returns those with more to feed."""
@@ -150,8 +152,9 @@ class Scheduler(Sharing):
         for i, r in enumerate(batch):
             chunk = r.tokens[r.cached: min(r.cached + t, r.target)]
             tokens[i, : len(chunk)], rows[i], qlen[i] = chunk, r.row, len(chunk)
-        window = _window(max(r.cached + int(q) for r, q in zip(batch, qlen)), 64, self.max_len)
-        self.cache = self.cache.with_window(window)
+        window = _fine_bucket(max(r.cached + int(q) for r, q in zip(batch, qlen)), 64,
+                              self.max_len)
+        self.cache = self._with_prefix_hint(self.cache.with_window(window), batch)
         probe = self._cow_probe()
         self.cache, nxt, ok, free = steps.prefill_step(
             self.lm.forward, self.lm.params, self.cache, jnp.asarray(tokens), jnp.asarray(rows),
@@ -189,11 +192,12 @@ class Scheduler(Sharing):
     def _decode(self, live: np.ndarray) -> None:
         if self.index is not None and int(live.sum()) > self._free:
             self._evict(int(live.sum()) - self._free)  # each row may need a page or a copy
-        window = _window(max(len(r.tokens) for r in self._rows if r is not None), 64,
-                         self.max_len)
-        self.cache = self.cache.with_window(window)
-        probe = self._cow_probe()
+        window = _fine_bucket(max(len(r.tokens) for r in self._rows if r is not None), 64,
+                              self.max_len)
         live_rows = np.flatnonzero(live)
+        self.cache = self._with_prefix_hint(self.cache.with_window(window),
+                                            [self._rows[i] for i in live_rows])
+        probe = self._cow_probe()
         width = _bucket(live_rows.size, 8, self.max_seqs)
         if width < self.max_seqs:
             # Few rows live: run only them (a batch of ``width`` rows gathered by ``rows``)
@@ -224,6 +228,20 @@ class Scheduler(Sharing):
         if (live & ~ok).any():  # out of pages: free the youngest running request's pages
             running = [r for r in self._rows if r is not None and r.finish_reason is None]
             self._preempt(max(running, key=lambda r: (r.admitted_at, r.row)))
+
+    def _with_prefix_hint(self, cache: Any, stepping: list[Request]) -> Any:
+        """``cache`` hinting the full pages all ``stepping`` rows (this step's batch) may share:
+        their cached tokens' common prefix, rounded down by :func:`paged_cache.prefix_bucket`, so
+        attention reads those pages once for the batch. Only when rows can share pages at all;
+        the step itself checks that they do."""
+        if self.kind != "paged" or not self._shares or len(stepping) < 2:
+            return cache.with_shared_prefix(0) if self.kind == "paged" else cache
+        n = min(r.cached for r in stepping)  # the shared pages lie before every query
+        first = np.asarray(stepping[0].tokens[:n])
+        for r in stepping[1:]:
+            differ = np.flatnonzero(np.asarray(r.tokens[:n]) != first[:n])
+            n = int(differ[0]) if differ.size else n
+        return cache.with_shared_prefix(prefix_bucket(n // self.page_size))
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _place(self, req: Request, row: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 
@@ -164,3 +165,23 @@ def test_memory_512_prompt_shares_pages(lm):
     assert run.peak_pages <= 0.3 * run.unshared_pages, (run.peak_pages, run.unshared_pages)
     assert run.steps == 63 and all(len(b.token_ids) == 64 for b in run.beams[0])
     assert run.all_free and run.stale_pages == 0
+
+
+def test_one_prompt_reads_its_pages_once_and_beams_are_unchanged(lm, prompts, monkeypatch):
+    """With one prompt every beam starts with its pages, so the paged search hints them
+    (cascade attention); beams and scores equal the dense cache's."""
+    bs = importlib.import_module("paxkv.beam_search")  # paxkv.beam_search is the function
+
+    seen = []
+    real = bs._search
+    monkeypatch.setattr(bs, "_search", lambda forward, params, cache, *a, **kw: (
+        seen.append(getattr(cache, "prefix_pages", None)), real(forward, params, cache, *a,
+                                                                **kw))[1])
+    prompt = prompts[0] + prompts[3] + prompts[5]  # > 2 pages of 16
+    got = {c: search(lm, [prompt], beam_width=3, max_new_tokens=6, cache=c)
+           for c in ("paged", "dense")}
+    assert seen[0] == paged_cache.prefix_bucket(len(prompt) // 16) >= 2, seen
+    paged, dense = got["paged"].beams[0], got["dense"].beams[0]
+    assert [b.token_ids for b in paged] == [b.token_ids for b in dense]
+    np.testing.assert_allclose([b.score for b in paged], [b.score for b in dense], rtol=1e-4)
+    assert got["paged"].all_free

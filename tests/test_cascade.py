@@ -1,0 +1,150 @@
+"""Cascade attention: pages every row shares are read once, and the result is unchanged.
+
+``attend_blocks_with_prefix`` must equal ``attend_blocks`` over the concatenated keys; the
+paged cache must take that path only when its ``prefix_pages`` hint holds in the step (every
+live row's first columns are the same pages, every query after them), and attend per row
+otherwise; the engine must produce the same tokens with the hint as without.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paxkv
+from pallas_kernels import reference as ref
+from paxkv import paged_cache
+from paxkv import scheduler as sched
+from paxkv.step_info import StepInfo
+
+CASES = [  # (batch, q_len, kv_heads, group, prefix_pages, page_size, rest_blocks, dtype)
+    (5, 1, 2, 3, 3, 4, 4, jnp.float32),
+    (3, 4, 1, 1, 1, 8, 2, jnp.float32),
+    (4, 1, 3, 2, 2, 16, 3, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:7])))
+def test_prefix_attention_equals_attention_over_all_keys(case):
+    b, t, kvh, g, p, ps, m, dtype = case
+    rng = np.random.default_rng(sum(case[:7]))
+    d, prefix = 16, p * ps
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    q = normal(b, t, kvh * g, d)
+    k_prefix, v_prefix = normal(p, kvh, ps, d), normal(p, kvh, ps, d)
+    k_rest, v_rest = normal(b, m, kvh, ps, d), normal(b, m, kvh, ps, d)
+    lengths = rng.integers(prefix + t, prefix + m * ps + 1, b).astype(np.int32)
+    lengths[0] = prefix + t  # nothing of its own before its queries
+    q_len = np.full(b, t, np.int32)
+    q_len[-1] = 1  # a shorter row: its other queries are padding
+    pos = lengths[:, None] - q_len[:, None] + np.arange(t)[None]
+    pos = np.where(np.arange(t)[None] < q_len[:, None], pos, -1).astype(np.int32)
+    # Keys past each row's length are NaN: a stray read would poison the output.
+    key = prefix + np.arange(m * ps).reshape(m, ps)
+    dead = (key[None] >= lengths[:, None, None])[:, :, None, :, None]
+    k_rest = jnp.where(dead, jnp.nan, k_rest).astype(dtype)
+    v_rest = jnp.where(dead, jnp.nan, v_rest).astype(dtype)
+
+    out = ref.attend_blocks_with_prefix(q, k_prefix, v_prefix, k_rest, v_rest,
+                                        jnp.asarray(pos), jnp.asarray(lengths), sm_scale=0.3)
+    # The oracle: the prefix as every row's first blocks, then its own.
+    tile = lambda x: jnp.broadcast_to(x[None], (b, *x.shape))  # noqa: E731
+    k_all = jnp.concatenate([tile(k_prefix), k_rest], axis=1)
+    v_all = jnp.concatenate([tile(v_prefix), v_rest], axis=1)
+    want = ref.attend_blocks(q, k_all, v_all, jnp.asarray(pos), jnp.asarray(lengths),
+                             sm_scale=0.3)
+    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(out).all()
+    assert not out[-1, 1:].any(), "padding queries are zero"
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    err = np.linalg.norm(out - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
+    assert err.max() <= tol, err.max()
+
+
+# -- the cache: the hint is checked inside the step ---------------------------------------
+
+PS, PROMPT, ROWS = 4, 11, 4  # an 11-token prompt: 2 full pages + a partial one
+
+
+def _forked_cache(share_all: bool) -> paged_cache.PagedCache:
+    """Row 0 holds PROMPT tokens of random K/V; rows 1-2 are forks of it; row 3 is a fork too
+    (``share_all``) or holds its own pages with the same length."""
+    cache = paged_cache.create(num_layers=1, num_kv_heads=2, head_dim=8, num_pages=24,
+                               page_size=PS, max_seqs=ROWS, max_len=24)
+    cache, ok = cache.reserve(jnp.array([PROMPT, 0, 0, 0 if share_all else PROMPT]),
+                              max_new=PROMPT)
+    assert bool(ok.all())
+    rng = np.random.default_rng(0)
+    pool = cache.pool
+    pool = type(pool)(k=jnp.asarray(rng.standard_normal(pool.k.shape), pool.k.dtype),
+                      v=jnp.asarray(rng.standard_normal(pool.v.shape), pool.v.dtype))
+    cache = cache.__class__(pool=pool, table=cache.table)
+    children = [1, 2, 3] if share_all else [1, 2]
+    cache, ok = cache.fork(jnp.zeros(len(children), jnp.int32), jnp.array(children, jnp.int32))
+    assert bool(ok.all())
+    cache, ok = cache.reserve(jnp.ones(ROWS, jnp.int32), max_new=1)  # copy-on-write page 2
+    assert bool(ok.all())
+    return cache
+
+
+def _decode_outputs(cache: paged_cache.PagedCache, prefix_pages: int) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((ROWS, 1, 6, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((ROWS, 1, 2, 8)), jnp.float32)
+    step = StepInfo.make(cache.lengths, jnp.ones(ROWS, jnp.int32), 1)
+    attend = jax.jit(lambda c, q, k: c.attend(0, q, k, k, step)[1])  # a fresh trace per call
+    return np.asarray(attend(cache.with_shared_prefix(prefix_pages), q, k))
+
+
+@pytest.mark.parametrize("share_all", [True, False], ids=["shared", "one-row-differs"])
+def test_cache_takes_the_cascade_only_when_the_hint_holds(monkeypatch, share_all):
+    cache = _forked_cache(share_all)
+    per_row = _decode_outputs(cache, 0)
+    np.testing.assert_allclose(_decode_outputs(cache, 2), per_row, rtol=1e-5, atol=1e-6)
+    # Mark the cascade's output to see which branch ran.
+    real = paged_cache.attend_blocks_with_prefix
+    monkeypatch.setattr(paged_cache, "attend_blocks_with_prefix",
+                        lambda *a, **kw: real(*a, **kw) + 1000.0)
+    marked = _decode_outputs(cache, 2)
+    np.testing.assert_allclose(marked, per_row + (1000.0 if share_all else 0.0),
+                               rtol=1e-5, atol=1e-3)
+    # A hint past the queries (prefix pages the step's tokens fall inside) never cascades.
+    np.testing.assert_allclose(_decode_outputs(cache, 3), per_row, rtol=1e-5, atol=1e-6)
+
+
+def test_prefix_bucket_rounds_down_to_few_shapes():
+    assert [paged_cache.prefix_bucket(n) for n in (0, 1, 2, 3, 5, 7, 11, 25, 47, 100)] == [
+        0, 1, 2, 3, 4, 6, 8, 24, 32, 96]
+    assert all(paged_cache.prefix_bucket(n) <= n for n in range(300))
+
+
+def test_engine_tokens_equal_with_and_without_the_hint(lm, monkeypatch):
+    """Six users of one system prompt through the prefix cache: the engine hints the shared
+    pages (asserted), and greedy tokens equal a run with the hint switched off."""
+    system = ("You are a careful assistant for a team of engineers. Answer in one short "
+              "sentence, use plain words, and say so when you do not know the answer.")
+    prompts = [lm.chat_prompt([{"role": "system", "content": system},
+                               {"role": "user", "content": q}])
+               for q in ("What is a page table?", "Name a prime.", "Why is the sky blue?",
+                         "Say hi.", "What is 2 + 2?", "Define entropy.")]
+    kw = dict(max_new_tokens=8, max_seqs=8, page_size=8, prefix_cache=True)
+    hints: list[int] = []
+    real = sched.Scheduler._with_prefix_hint
+
+    def spy(self, cache, decoding):
+        cache = real(self, cache, decoding)
+        hints.append(cache.prefix_pages)
+        return cache
+
+    monkeypatch.setattr(sched.Scheduler, "_with_prefix_hint", spy)
+    hinted = paxkv.generate(lm, prompts, **kw)
+    assert max(hints) >= 3, hints
+    monkeypatch.setattr(sched.Scheduler, "_with_prefix_hint",
+                        lambda self, cache, decoding: cache.with_shared_prefix(0))
+    plain = paxkv.generate(lm, prompts, **kw)
+    assert [r.token_ids for r in hinted] == [r.token_ids for r in plain]
