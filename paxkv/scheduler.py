@@ -152,9 +152,8 @@ class Scheduler(Sharing):
         for i, r in enumerate(batch):
             chunk = r.tokens[r.cached: min(r.cached + t, r.target)]
             tokens[i, : len(chunk)], rows[i], qlen[i] = chunk, r.row, len(chunk)
-        window = _fine_bucket(max(r.cached + int(q) for r, q in zip(batch, qlen)), 64,
-                              self.max_len)
-        self.cache = self._with_prefix_hint(self.cache.with_window(window), batch)
+        self.cache = self._attention_view(batch, max(r.cached + int(q)
+                                                     for r, q in zip(batch, qlen)))
         probe = self._cow_probe()
         self.cache, nxt, ok, free = steps.prefill_step(
             self.lm.forward, self.lm.params, self.cache, jnp.asarray(tokens), jnp.asarray(rows),
@@ -192,11 +191,9 @@ class Scheduler(Sharing):
     def _decode(self, live: np.ndarray) -> None:
         if self.index is not None and int(live.sum()) > self._free:
             self._evict(int(live.sum()) - self._free)  # each row may need a page or a copy
-        window = _fine_bucket(max(len(r.tokens) for r in self._rows if r is not None), 64,
-                              self.max_len)
         live_rows = np.flatnonzero(live)
-        self.cache = self._with_prefix_hint(self.cache.with_window(window),
-                                            [self._rows[i] for i in live_rows])
+        self.cache = self._attention_view([self._rows[i] for i in live_rows],
+                                          max(len(r.tokens) for r in self._rows if r is not None))
         probe = self._cow_probe()
         width = _bucket(live_rows.size, 8, self.max_seqs)
         if width < self.max_seqs:
@@ -229,19 +226,35 @@ class Scheduler(Sharing):
             running = [r for r in self._rows if r is not None and r.finish_reason is None]
             self._preempt(max(running, key=lambda r: (r.admitted_at, r.row)))
 
-    def _with_prefix_hint(self, cache: Any, stepping: list[Request]) -> Any:
-        """``cache`` hinting the full pages all ``stepping`` rows (this step's batch) may share:
-        their cached tokens' common prefix, rounded down by :func:`paged_cache.prefix_bucket`, so
-        attention reads those pages once for the batch. Only when rows can share pages at all;
-        the step itself checks that they do."""
+    def _attention_view(self, stepping: list[Request], longest: int) -> Any:
+        """The cache as this step's attention reads it. Without shared pages: a window of
+        ``longest`` tokens rounded up by :func:`_fine_bucket`. With ``n`` pages all
+        ``stepping`` rows (this step's batch) may share: the hint ``n`` (read once for the
+        batch) and a window of those pages plus the rest rounded up on its own, so the per-row
+        part is as short as the rows' own tokens allow."""
+        shared = self._shared_prefix_pages(stepping) * self.page_size
+        if shared:
+            window = min(self.max_len, shared + _fine_bucket(longest - shared, 16, self.max_len))
+        else:
+            window = _fine_bucket(longest, 64, self.max_len)
+        cache = self.cache.with_window(window)
+        if self.kind != "paged":
+            return cache
+        return cache.with_shared_prefix(shared // self.page_size)
+
+    def _shared_prefix_pages(self, stepping: list[Request]) -> int:
+        """Full pages before every query of ``stepping`` that hold the same tokens in every
+        row (their cached tokens' common prefix, rounded down by
+        :func:`paged_cache.prefix_bucket`); 0 unless rows can share pages at all. Equal tokens
+        are a hint, not a proof: the step checks that the pages are the same."""
         if self.kind != "paged" or not self._shares or len(stepping) < 2:
-            return cache.with_shared_prefix(0) if self.kind == "paged" else cache
+            return 0
         n = min(r.cached for r in stepping)  # the shared pages lie before every query
         first = np.asarray(stepping[0].tokens[:n])
         for r in stepping[1:]:
             differ = np.flatnonzero(np.asarray(r.tokens[:n]) != first[:n])
             n = int(differ[0]) if differ.size else n
-        return cache.with_shared_prefix(prefix_bucket(n // self.page_size))
+        return prefix_bucket(n // self.page_size)
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _place(self, req: Request, row: int) -> None:

@@ -125,7 +125,8 @@ def test_prefix_bucket_rounds_down_to_few_shapes():
 
 def test_engine_tokens_equal_with_and_without_the_hint(lm, monkeypatch):
     """Six users of one system prompt through the prefix cache: the engine hints the shared
-    pages (asserted), and greedy tokens equal a run with the hint switched off."""
+    pages (asserted) in the Python loop and the jitted one, and greedy tokens equal a run with
+    the hint switched off."""
     system = ("You are a careful assistant for a team of engineers. Answer in one short "
               "sentence, use plain words, and say so when you do not know the answer.")
     prompts = [lm.chat_prompt([{"role": "system", "content": system},
@@ -134,17 +135,15 @@ def test_engine_tokens_equal_with_and_without_the_hint(lm, monkeypatch):
                          "Say hi.", "What is 2 + 2?", "Define entropy.")]
     kw = dict(max_new_tokens=8, max_seqs=8, page_size=8, prefix_cache=True)
     hints: list[int] = []
-    real = sched.Scheduler._with_prefix_hint
-
-    def spy(self, cache, decoding):
-        cache = real(self, cache, decoding)
-        hints.append(cache.prefix_pages)
-        return cache
-
-    monkeypatch.setattr(sched.Scheduler, "_with_prefix_hint", spy)
+    real = sched.Scheduler._shared_prefix_pages
+    monkeypatch.setattr(sched.Scheduler, "_shared_prefix_pages",
+                        lambda self, stepping: hints.append(real(self, stepping)) or hints[-1])
     hinted = paxkv.generate(lm, prompts, **kw)
     assert max(hints) >= 3, hints
-    monkeypatch.setattr(sched.Scheduler, "_with_prefix_hint",
-                        lambda self, cache, decoding: cache.with_shared_prefix(0))
+    del hints[:]
+    hinted_jit = paxkv.generate(lm, prompts, loop="jit", **kw)  # one hint for the whole loop
+    assert max(hints) >= 3, hints
+    monkeypatch.setattr(sched.Scheduler, "_shared_prefix_pages", lambda self, stepping: 0)
     plain = paxkv.generate(lm, prompts, **kw)
     assert [r.token_ids for r in hinted] == [r.token_ids for r in plain]
+    assert [r.token_ids for r in hinted_jit] == [r.token_ids for r in plain]

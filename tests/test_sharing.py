@@ -52,7 +52,9 @@ def _peek(forward, params, cache, tokens, live):
 def top5(lm, eng: paxkv.Engine) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Request id -> (top-5 next-token ids, their log-probs) for every decoding request."""
     live = np.array([r is not None and r.decoding for r in eng._rows])
-    logp = np.asarray(_peek(lm.forward, lm.params, eng.cache, jnp.asarray(eng._last_token),
+    # The whole row: the last step's window need not cover the one more token fed here.
+    cache = eng.cache.with_window(None)
+    logp = np.asarray(_peek(lm.forward, lm.params, cache, jnp.asarray(eng._last_token),
                             jnp.asarray(live)))
     out = {}
     for row in np.flatnonzero(live):
