@@ -15,8 +15,9 @@
 2. **hf**: 32 chat prompts sharing a 400-token system prompt, each with its own 16-32 token
    question, 64 new tokens, greedy, EOS ignored: paxkv (continuous batching) with sharing on
    and off vs HF ``generate`` in one static batch of 32, after a warm-up pass each; the
-   sharing-on and HF passes alternate ``--repeats`` times (3) and the ratio is of their median
-   times. On and off must agree token for token; agreement with HF is reported.
+   sharing-on and HF passes alternate ``--repeats`` times (3), and the figure against the
+   target is the median of the side-by-side pairs' ratios (the ratio of median times is
+   reported too). On and off must agree token for token; agreement with HF is reported.
 
 Writes ``results/sharing.json`` (``sharing_quick.json`` with ``--quick``).
 """
@@ -218,12 +219,14 @@ def hf(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
     tokens = {k: [r["tokens"] for r in v] for k, v in passes.items()}
     same = all(t == tokens["off"][0] for t in tokens["on"] + tokens["off"])
     agreement = token_agreement(tokens["on"][0], tokens["hf"][0], new)
+    per_pass = [h["seconds"] / o["seconds"] for o, h in zip(passes["on"], passes["hf"])]
     return dict(config=dict(prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
                             new_tokens=new, page_size=16, repeats=args.repeats),
                 on=on, off=off, hf_static=hf_run, tokens_identical=same,
-                hf_agreement=agreement, vs_hf_static=on["tok_s"] / hf_run["tok_s"],
-                vs_hf_static_per_pass=[h["seconds"] / o["seconds"]
-                                       for o, h in zip(passes["on"], passes["hf"])],
+                hf_agreement=agreement,
+                # the target: the median of side-by-side pairs (the stricter of the two here)
+                vs_hf_static=statistics.median(per_pass), vs_hf_static_per_pass=per_pass,
+                vs_hf_static_ratio_of_medians=on["tok_s"] / hf_run["tok_s"],
                 off_vs_hf_static=off["tok_s"] / hf_run["tok_s"])
 
 
@@ -253,10 +256,12 @@ def report(results: dict[str, Any]) -> None:
               f"{h['config']['new_tokens']} new tokens; tokens on == off: {h['tokens_identical']};"
               f" identical to HF: {h['hf_agreement']['identical']:.0%}")
         print(f"per pass (on then HF, alternating): HF s / paxkv s = "
-              f"{', '.join(f'{r:.2f}' for r in h['vs_hf_static_per_pass'])}")
+              f"{', '.join(f'{r:.2f}' for r in h['vs_hf_static_per_pass'])}; median "
+              f"{h['vs_hf_static']:.2f}x (ratio of median times: "
+              f"{h['vs_hf_static_ratio_of_medians']:.2f}x)")
         print_table(["engine", "tok/s", "wall s (median)", "prefill tokens", "vs HF static"],
                     [["paxkv, sharing on", f"{h['on']['tok_s']:.1f}", f"{h['on']['seconds']:.1f}",
-                      h["on"]["prefill_tokens"], f"{h['vs_hf_static']:.2f}x"],
+                      h["on"]["prefill_tokens"], f"{h['vs_hf_static_ratio_of_medians']:.2f}x"],
                      ["paxkv, sharing off", f"{h['off']['tok_s']:.1f}",
                       f"{h['off']['seconds']:.1f}", h["off"]["prefill_tokens"],
                       f"{h['off_vs_hf_static']:.2f}x"],
@@ -278,6 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="small sizes: proves it runs")
     ap.add_argument("--only", choices=("users", "hf"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, help="alternating paxkv / HF timed passes (hf part;"
+                    " default 3, 1 with --quick)")
     ap.add_argument("--hf-threads", type=int, default=0,
                     help="torch intra-op threads for HF (0 = torch's default); with neighbours "
                          "busy, 1 avoids OpenMP barrier stalls (tests/oracle.py)")
@@ -287,7 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quick = dict(users=8, system_tokens=256, new_tokens=4, hf_prompts=4, hf_system_tokens=100,
                  hf_new_tokens=8, repeats=1)
     for k, v in (quick if args.quick else full).items():
-        setattr(args, k, v)
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
     return args
 
 
