@@ -12,7 +12,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from jax import lax
 
 from pallas_kernels.reference import attend_blocks, attend_blocks_with_prefix, default_sm_scale

@@ -234,7 +234,7 @@ class Scheduler(Sharing):
         part is as short as the rows' own tokens allow."""
         shared = self._shared_prefix_pages(stepping) * self.page_size
         if shared:
-            window = min(self.max_len, shared + _fine_bucket(longest - shared, 16, self.max_len))
+            window = min(self.max_len, shared + _fine_bucket(longest - shared, 64, self.max_len))
         else:
             window = _fine_bucket(longest, 64, self.max_len)
         cache = self.cache.with_window(window)
