@@ -169,11 +169,12 @@ def _timed_no_attention(lm, cache, tokens):
     return seconds, wrapped.inner  # NOTE: keep no wrapper alive: it would pin the buffers
 
 
-@functools.partial(jax.jit, static_argnames=("forward",))
-def _step_logits(forward, params, cache, tokens):
+@functools.partial(jax.jit, static_argnames=("forward", "attention_impl"))
+def step_logits(forward, params, cache, tokens, attention_impl="xla"):
+    """float32 ``[batch, vocab]`` logits of one decode step of every row (cache not donated)."""
     cache, _ = cache.reserve(jnp.ones(tokens.shape, jnp.int32), max_new=1)
     step = StepInfo.make(cache.lengths, jnp.ones(tokens.shape, jnp.int32), 1)
-    return forward(params, tokens[:, None], step, cache, attention_impl="xla")[0]
+    return forward(params, tokens[:, None], step, cache, attention_impl=attention_impl)[0]
 
 
 def logits_check(lm, batch: int, context: int) -> dict[str, Any]:
@@ -185,7 +186,7 @@ def logits_check(lm, batch: int, context: int) -> dict[str, Any]:
     for name, kind, salt in (("paged", "paged", 0), ("dense", "dense", 0),
                              ("control", "paged", 1)):
         cache = filled_cache(lm, kind, batch, context, context - 1, salt)
-        logits[name] = np.asarray(_step_logits(lm.forward, lm.params, cache, tokens))
+        logits[name] = np.asarray(step_logits(lm.forward, lm.params, cache, tokens))
         del cache
     d = logits["dense"]
     rel = lambda x: np.linalg.norm(x - d, axis=1) / np.linalg.norm(d, axis=1)  # noqa: E731

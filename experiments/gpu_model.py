@@ -35,10 +35,9 @@ import numpy as np
 
 import models
 from experiments.common import print_table, write_json
-from experiments.decode import filled_cache
+from experiments.decode import filled_cache, step_logits
 from models.params import build_params
 from paxkv import paged_cache, steps
-from paxkv.step_info import StepInfo
 
 SMOLLM2_135M = models.LlamaConfig(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -91,15 +90,6 @@ def prefill_check(lm: models.LanguageModel, batch: int, max_prompt: int) -> dict
                 tokens_equal_fraction=float((out["pallas"] == out["xla"]).mean()))
 
 
-def _step_logits(lm, cache, tokens, impl):
-    @jax.jit
-    def f(params, cache, tokens):
-        cache, _ = cache.reserve(jnp.ones(tokens.shape, jnp.int32), max_new=1)
-        step = StepInfo.make(cache.lengths, jnp.ones(tokens.shape, jnp.int32), 1)
-        return lm.forward(params, tokens[:, None], step, cache, attention_impl=impl)[0]
-    return np.asarray(f(lm.params, cache, tokens))
-
-
 def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dict[str, Any]:
     rounds = args.warmup + args.repeats
     filled = context - rounds - 1
@@ -107,7 +97,8 @@ def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dic
                          jnp.int32)
     caches = {v: filled_cache(lm, v[0], batch, context, filled) for v in VARIANTS}
     with jax.default_matmul_precision("highest"):  # XLA's einsums would otherwise run in TF32
-        logits = {v: _step_logits(lm, caches[v], tokens, v[1]) for v in VARIANTS}
+        logits = {v: np.asarray(step_logits(lm.forward, lm.params, caches[v], tokens, v[1]))
+                  for v in VARIANTS}
     dense = logits["dense", "xla"]
     rel = lambda x: float((np.linalg.norm(x - dense, axis=1)  # noqa: E731
                            / np.linalg.norm(dense, axis=1)).max())
