@@ -231,7 +231,10 @@ class Engine(Scheduler):
         for r in reqs:
             first[r.row], limit[r.row] = r.output[0], r.max_new_tokens
             stops[r.row] = [t in r.stop_ids for t in stop_ids]
-        self.cache = self._attention_view(reqs, self.max_len)  # shared pages: read once
+        # Shared pages are read once; the work list covers every row's longest context.
+        self.cache = self._attention_view(
+            reqs, self.max_len,
+            decode_lengths=[min(self.max_len, len(r.tokens) + r.max_new_tokens) for r in reqs])
         probe = self._cow_probe()
         self.cache, out, count, dry = steps.decode_loop(
             self.lm.forward, self.lm.params, self.cache, jnp.asarray(first), jnp.asarray(limit),

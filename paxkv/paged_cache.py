@@ -14,14 +14,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.reference import attend_blocks, attend_blocks_with_prefix, default_sm_scale
+from pallas_kernels import chunked
+from pallas_kernels.reference import attend_blocks_with_prefix, default_sm_scale
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
 from paxkv.step_info import StepInfo
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "table"],
-                   meta_fields=["scrub", "window_pages", "prefix_pages"])
+                   meta_fields=["scrub", "window_pages", "prefix_pages", "decode_chunks"])
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
     """Paged KV for ``max_seqs`` sequences.
@@ -37,6 +38,10 @@ class PagedCache:
         then checks it inside the step and, when it holds, reads those pages once for all rows
         (:func:`attend_blocks_with_prefix`); when it does not, it attends as without the hint.
         0: no hint.
+      decode_chunks: static hint that a decode step's live rows need at most this many
+        chunks of :data:`CHUNK_TOKENS` past the shared prefix (the XLA decode path's work list,
+        :mod:`pallas_kernels.chunked`); the step checks it and falls back to every row's whole
+        window when it does not hold. None: size the list for every row's whole window.
     """
 
     pool: kv_pool.KVPool
@@ -44,6 +49,7 @@ class PagedCache:
     scrub: bool = True
     window_pages: int | None = None
     prefix_pages: int = 0
+    decode_chunks: int | None = None
 
     # -- the cache protocol -------------------------------------------------------------
     @property
@@ -94,6 +100,19 @@ class PagedCache:
         """The same cache with the ``prefix_pages`` hint (static; see the class docstring)."""
         return dataclasses.replace(self, prefix_pages=max(0, int(num_pages)))
 
+    def with_decode_chunks(self, num_chunks: int | None) -> "PagedCache":
+        """The same cache with the ``decode_chunks`` hint, rounded up to the work list's
+        length (:func:`pallas_kernels.chunked.list_shape`, so nearby counts share a compiled
+        step); static, see the class docstring."""
+        if num_chunks is not None:
+            num_chunks = chunked.list_shape(num_chunks, TILE_CHUNKS)[0]
+        return dataclasses.replace(self, decode_chunks=num_chunks)
+
+    @property
+    def chunk_pages(self) -> int:
+        """Pages per chunk of the XLA decode path's work list (:data:`CHUNK_TOKENS` tokens)."""
+        return max(1, CHUNK_TOKENS // self.table.page_size)
+
     def stats(self) -> pt.TableStats:
         return pt.stats(self.table)
 
@@ -119,8 +138,12 @@ class PagedCache:
                                        step)
         elif impl == "xla":
             pool = kv_pool.write(self.pool, layer, k, v, pages, offsets)
-            out = _xla_attend(pool, layer, q, block_tables, step, self.prefix_pages,
-                              self.table.page_size)
+            if q.shape[1] == 1:
+                out = _xla_decode(pool, layer, q[:, 0], block_tables, step, self.prefix_pages,
+                                  self.decode_chunks, self.table.page_size)[:, None]
+            else:
+                out = _xla_attend(pool, layer, q, block_tables, step, self.prefix_pages,
+                                  self.table.page_size)
         else:
             raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
         return dataclasses.replace(self, pool=pool), out
@@ -143,8 +166,8 @@ def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
     sm_scale = default_sm_scale(q.shape[-1], None)
 
     def per_row() -> jax.Array:
-        return attend_blocks(q, pool.k[layer, block_tables], pool.v[layer, block_tables],
-                             step.positions, step.lengths, sm_scale=sm_scale)
+        return chunked.attend_in_query_tiles(q, pool.k, pool.v, block_tables, step.positions,
+                                             step.lengths, sm_scale=sm_scale, layer=layer)
 
     if not 0 < prefix_pages < block_tables.shape[1]:
         return per_row()
@@ -161,6 +184,86 @@ def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
              & jnp.all((block_tables[:, :prefix_pages] == shared) | ~live[:, None])
              & jnp.all((step.positions >= prefix_pages * page_size) | (step.positions < 0)))
     return lax.cond(holds, cascade, per_row)
+
+
+# The XLA decode path's work list (pallas_kernels.chunked): chunks of 128 tokens, 16 chunks a
+# tile (K + V of a tile: 16 x 128 x kv_heads x head_dim x 8 bytes = 3 MB at SmolLM2's 3 x 64 in
+# float32, well inside a CPU's cache).
+CHUNK_TOKENS = 128
+TILE_CHUNKS = 16
+
+
+def _xla_decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
+                step: StepInfo, prefix_pages: int, decode_chunks: int | None,
+                page_size: int) -> jax.Array:
+    """One query per row ``q [b, heads, d]`` -> ``[b, heads, d]`` through the chunk list.
+
+    With a ``prefix_pages`` hint that holds, the shared pages are one product for all rows
+    (cascade) and the list covers only the rest; with a ``decode_chunks`` hint that holds, the
+    list is that long instead of every row's whole window. When a hint does not hold this step,
+    the list covers every row's whole window from its first page (always enough)."""
+    batch, width = block_tables.shape
+    sm_scale = default_sm_scale(q.shape[-1], None)
+    chunk_pages = max(1, CHUNK_TOKENS // page_size)  # PagedCache.chunk_pages
+    live = step.query_lengths > 0
+    cascade = 0 < prefix_pages < width
+    start = prefix_pages if cascade else 0
+
+    def partials(start_page: int, needed: int) -> chunked.Partial:
+        num_chunks, tile = chunked.list_shape(needed, TILE_CHUNKS)
+        work = chunked.chunk_work(step.lengths, live, start_page=start_page,
+                                  page_size=page_size, chunk_pages=chunk_pages,
+                                  num_chunks=num_chunks)
+        return chunked.chunk_partials(q, pool.k, pool.v, block_tables, step.lengths, work,
+                                      chunk_pages=chunk_pages, tile_chunks=tile,
+                                      sm_scale=sm_scale, layer=layer)
+
+    def whole_rows(start_page: int) -> int:
+        return batch * -(-(width - start_page) // chunk_pages)
+
+    def safe() -> jax.Array:
+        return chunked.finish(partials(0, whole_rows(0)), q.dtype)
+
+    hinted = decode_chunks is not None and decode_chunks < whole_rows(start)
+    if not (cascade or hinted):
+        return safe()
+    shared = block_tables[jnp.argmax(live), :prefix_pages]  # the first live row's prefix
+
+    def fast() -> jax.Array:
+        parts = partials(start, decode_chunks if hinted else whole_rows(start))
+        if cascade:
+            parts = chunked.merge(_shared_partial(pool, layer, q, shared, live, sm_scale), parts)
+        return chunked.finish(parts, q.dtype)
+
+    holds = jnp.any(live)
+    if cascade:
+        holds &= (jnp.all((block_tables[:, :prefix_pages] == shared[None]) | ~live[:, None])
+                  & jnp.all(~live | (step.lengths > prefix_pages * page_size)))
+    if hinted:
+        needed = chunked.chunks_needed(step.lengths, start_page=start, page_size=page_size,
+                                       chunk_pages=chunk_pages)
+        holds &= jnp.sum(jnp.where(live, needed, 0)) <= decode_chunks
+    return lax.cond(holds, fast, safe)
+
+
+def _shared_partial(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, shared: jax.Array,
+                    live: jax.Array, sm_scale: float) -> chunked.Partial:
+    """Softmax partials of every live row over the same pages ``shared`` (int32 ``[n]``): one
+    ``[rows x group, d] x [d, n x page_size]`` product per kv head (cascade attention)."""
+    batch, num_q_heads, head_dim = q.shape
+    _, kv_heads, page_size, _ = pool.k.shape[1:]
+    f32 = jnp.float32
+
+    def keys(pages: jax.Array) -> jax.Array:  # [n, k, s, d] -> [k, n * s, d]
+        return pages.transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim).astype(f32)
+
+    k, v = keys(pool.k[layer, shared]), keys(pool.v[layer, shared])
+    q_grouped = q.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim).astype(f32)
+    scores = jnp.einsum("bkgd,ksd->bkgs", q_grouped, k) * sm_scale
+    scores = jnp.where(live[:, None, None, None], scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
+    return chunked.Partial(top, jnp.sum(probs, axis=-1), jnp.einsum("bkgs,ksd->bkgd", probs, v))
 
 
 def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, k: jax.Array,

@@ -21,6 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import chunked
 from paxkv import steps
 from paxkv.paged_cache import prefix_bucket
 from paxkv.prefix_cache import Hit, PrefixIndex
@@ -137,7 +138,8 @@ class Scheduler(Sharing):
         while group:
             longest = max(r.target - r.cached for r in group)
             t = _fine_bucket(longest, 16, self.prefill_chunk)
-            b_max = max(1, self.prefill_tokens // t)
+            # A power of two: the batch is padded to one (10 rows would run as 16).
+            b_max = 1 << (max(1, self.prefill_tokens // t).bit_length() - 1)
             batch, group = group[:b_max], group[b_max:]
             while batch:  # the last chunk of a long prompt runs at a smaller width
                 batch = self._prefill_chunk(batch, t)
@@ -192,8 +194,10 @@ class Scheduler(Sharing):
         if self.index is not None and int(live.sum()) > self._free:
             self._evict(int(live.sum()) - self._free)  # each row may need a page or a copy
         live_rows = np.flatnonzero(live)
-        self.cache = self._attention_view([self._rows[i] for i in live_rows],
-                                          max(len(r.tokens) for r in self._rows if r is not None))
+        stepping = [self._rows[i] for i in live_rows]
+        self.cache = self._attention_view(
+            stepping, max(len(r.tokens) for r in self._rows if r is not None),
+            decode_lengths=[len(r.tokens) for r in stepping])
         probe = self._cow_probe()
         width = _bucket(live_rows.size, 8, self.max_seqs)
         if width < self.max_seqs:
@@ -226,12 +230,15 @@ class Scheduler(Sharing):
             running = [r for r in self._rows if r is not None and r.finish_reason is None]
             self._preempt(max(running, key=lambda r: (r.admitted_at, r.row)))
 
-    def _attention_view(self, stepping: list[Request], longest: int) -> Any:
+    def _attention_view(self, stepping: list[Request], longest: int,
+                        decode_lengths: list[int] | None = None) -> Any:
         """The cache as this step's attention reads it. Without shared pages: a window of
         ``longest`` tokens rounded up by :func:`_fine_bucket`. With ``n`` pages all
         ``stepping`` rows (this step's batch) may share: the hint ``n`` (read once for the
         batch) and a window of those pages plus the rest rounded up on its own, so the per-row
-        part is as short as the rows' own tokens allow."""
+        part is as short as the rows' own tokens allow. For a decode step, ``decode_lengths``
+        (each stepping row's context after the step, or an upper bound) sizes the decode
+        attention's work list: the chunks of the rows' own tokens, not rows x window."""
         shared = self._shared_prefix_pages(stepping) * self.page_size
         if shared:
             window = min(self.max_len, shared + _fine_bucket(longest - shared, 64, self.max_len))
@@ -240,7 +247,12 @@ class Scheduler(Sharing):
         cache = self.cache.with_window(window)
         if self.kind != "paged":
             return cache
-        return cache.with_shared_prefix(shared // self.page_size)
+        chunks = None
+        if decode_lengths is not None:
+            chunks = int(np.sum(chunked.chunks_needed(
+                np.asarray(decode_lengths), start_page=shared // self.page_size,
+                page_size=self.page_size, chunk_pages=cache.chunk_pages)))
+        return cache.with_shared_prefix(shared // self.page_size).with_decode_chunks(chunks)
 
     def _shared_prefix_pages(self, stepping: list[Request]) -> int:
         """Full pages before every query of ``stepping`` that hold the same tokens in every
