@@ -138,8 +138,10 @@ def test_query_tiles_equal_one_pass():
     page_size, rows, width, t = 8, 3, 40, 192  # tiles of 96 queries
     assert chunked.query_tile(t) == 96 and chunked.query_tile(100) == 100
     block_tables = rng.permutation(rows * width).reshape(rows, width).astype(np.int32)
+    # Row 0: cached context before its queries (every tile reads the whole window); row 1:
+    # a fresh prompt (its first tile reads half of it); row 2: padding queries.
     lengths = np.array([300, 192, 50], np.int32)
-    query_lengths = np.array([192, 150, 50], np.int32)
+    query_lengths = np.array([192, 192, 50], np.int32)
     k, v = _poisoned_pool(rng, block_tables, lengths, rows * width, 2, page_size, 16,
                           jnp.float32)
     q = jnp.asarray(rng.standard_normal((rows, t, 6, 16)), jnp.float32)
