@@ -10,8 +10,9 @@
    (one jitted reserve, K/V filled with hashed values: attention cost does not depend on them),
    window = the context bucket the engine would pick. Each step is followed by the same step
    through a no-op attention (:class:`NoAttention`), so attention = full - no-attention. Paged
-   and dense hold identical K/V: one step's logits must agree (per-row relative error < 1e-4)
-   and every step's sampled tokens are compared. Peak memory ~7.5 GB (batch 64, context 2048).
+   and dense hold identical K/V: one step's logits must agree (per-row relative error < 1e-3:
+   the two sum in different orders, see :data:`LOGITS_TOLERANCE`), and every step's sampled
+   tokens are compared. Peak memory ~7.5 GB (batch 64, context 2048).
 2. **offline**: 64 prompts of 64-512 tokens cut from the Python Language Reference prose that
    CPython ships (``pydoc_data.topics``), 128 greedy tokens each, EOS ignored: ``paxkv.Engine``
    (paged, continuous batching, max_seqs 32 by default: in the sweep batch 64 costs the same
@@ -177,9 +178,17 @@ def step_logits(forward, params, cache, tokens, attention_impl="xla"):
     return forward(params, tokens[:, None], step, cache, attention_impl=attention_impl)[0]
 
 
+# Paged decode attention sums a row's keys chunk by chunk and merges the partials
+# (pallas_kernels/chunked.py); dense sums them in one softmax. On this synthetic K/V the two
+# float32 orders differ by ~1.3e-4 per logits row after 30 layers (one layer: 1.6e-6 vs 8e-7
+# from a float64 softmax), while a wrong answer (the control: other K/V) differs by ~0.4.
+LOGITS_TOLERANCE = 1e-3
+
+
 def logits_check(lm, batch: int, context: int) -> dict[str, Any]:
-    """One decode step on identical K/V through both caches: per-row relative logit error.
-    A control run on different K/V shows the check can fail."""
+    """One decode step on identical K/V through both caches: per-row relative logit error
+    (within :data:`LOGITS_TOLERANCE`). A control run on different K/V shows the check can
+    fail."""
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, lm.config.vocab_size, batch),
                          jnp.int32)
     logits = {}
@@ -191,10 +200,11 @@ def logits_check(lm, batch: int, context: int) -> dict[str, Any]:
     d = logits["dense"]
     rel = lambda x: np.linalg.norm(x - d, axis=1) / np.linalg.norm(d, axis=1)  # noqa: E731
     err = float(rel(logits["paged"]).max())
-    return dict(batch=batch, context=context, max_row_rel_error=err, tolerance=1e-4,
+    return dict(batch=batch, context=context, max_row_rel_error=err,
+                tolerance=LOGITS_TOLERANCE,
                 control_min_row_rel_error=float(rel(logits["control"]).min()),
                 argmax_equal=bool((logits["paged"].argmax(1) == d.argmax(1)).all()),
-                passed=bool(err < 1e-4 and np.isfinite(logits["paged"]).all()))
+                passed=bool(err < LOGITS_TOLERANCE and np.isfinite(logits["paged"]).all()))
 
 
 def sweep_cell(lm, batch: int, context: int, args) -> dict[str, Any]:
