@@ -83,9 +83,20 @@ def english_prompts(lm: Any, n: int, lo: int, hi: int, seed: int = 0) -> list[li
 
 
 def peak_rss_mib() -> float:
-    """This process's resident-set high-water mark (``getrusage``; Linux reports KiB)."""
+    """This process's resident-set high-water mark: ``VmHWM`` of ``/proc/self/status`` where
+    Linux has it (the high-water mark of this process's own memory map), else ``getrusage``.
+
+    NOTE: ``getrusage``'s ``ru_maxrss`` survives ``exec``: a worker started by a parent that
+    once held 7.6 GB (the decode sweep) reported 7.6 GB whatever it used itself."""
     import resource
 
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

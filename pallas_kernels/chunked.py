@@ -37,7 +37,7 @@ an output, and everything accumulates in float32.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -255,13 +255,7 @@ def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           block_tables: jax.Array, q_positions: jax.Array, lengths: jax.Array,
                           *, sm_scale: float, layer: jax.Array | None = None) -> jax.Array:
     """:func:`pallas_kernels.reference.attend_blocks` over gathered pages, one (row, query
-    tile) at a time under ``lax.map``.
-
-    A prefill of 8 rows x 512 queries materialises ``[8, 512, heads, 512]`` float32 scores
-    (75 MB at SmolLM2's 9 heads) several times over (mask, max, exp, sum, scale); per tile of
-    128 queries of one row it is 2.4 MB, and the same work ran 1.4x faster here (per layer,
-    8 x 512: 208 -> 145 ms). Each tile gathers its row's pages again (a few hundred KB), and
-    only as many of them as its last query can see (see ``spans`` below).
+    tile) at a time (:func:`query_tiles`).
 
     Args:
       q: ``[b, t, num_q_heads, head_dim]``; q_positions: int32 ``[b, t]`` (-1: padding).
@@ -271,36 +265,61 @@ def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Returns:
       ``[b, t, num_q_heads, head_dim]`` in ``q.dtype``.
     """
+    def read(table_row: jax.Array, pages: int) -> tuple[jax.Array, jax.Array]:
+        ids = table_row[:pages]
+        if layer is None:
+            return k_pages[ids][None], v_pages[ids][None]
+        return k_pages[layer, ids][None], v_pages[layer, ids][None]
+
+    return query_tiles(q, q_positions, lengths, block_tables, read,
+                       width=block_tables.shape[1], unit=k_pages.shape[-2], sm_scale=sm_scale)
+
+
+def query_tiles(q: jax.Array, q_positions: jax.Array, lengths: jax.Array, row_keys: jax.Array,
+                read: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]], *, width: int,
+                unit: int, sm_scale: float) -> jax.Array:
+    """Attention one (row, query tile) at a time under ``lax.map``, for any KV layout.
+
+    A prefill of 8 rows x 512 queries materialises ``[8, 512, heads, 512]`` float32 scores
+    (75 MB at SmolLM2's 9 heads) several times over (mask, max, exp, sum, scale); per tile of
+    128 queries of one row it is 2.4 MB, and the same work ran 1.9x faster here (per layer,
+    8 x 512, paged: 208 -> 111 ms). Causal skipping: a tile reads only the shortest of up to
+    4 key prefixes (parts of the window) that holds its last query's keys, so a fresh
+    512-token prompt's first tile reads 128 keys, not 512 (5/8 of the work in all; 71 ms).
+
+    Args:
+      q: ``[b, t, num_q_heads, head_dim]``; q_positions: int32 ``[b, t]`` (-1: padding);
+        lengths: int32 ``[b]``.
+      row_keys: ``[b, ...]``: what ``read`` needs to find a row's keys (a block-table row, a
+        dense row index).
+      read: ``(row_keys[i], n) -> (k, v)``, each ``[1, blocks, kv_heads, block, head_dim]``:
+        the row's first ``n * unit`` keys (``n`` static).
+      width: the row's window in units of ``unit`` tokens (pages; tokens for a dense row).
+
+    Returns:
+      ``[b, t, num_q_heads, head_dim]`` in ``q.dtype``.
+    """
     batch, q_len = q_positions.shape
     tile = query_tile(q_len)
     per_row = q_len // tile
-
-    def pages_of(pool: jax.Array, pages: jax.Array) -> jax.Array:
-        return (pool[pages] if layer is None else pool[layer, pages])[None]
-
-    # Causal skipping: a tile reads the shortest of ``spans`` key prefixes (quarters of the
-    # window, or as many parts as the row has tiles) that holds its last query's keys, so a
-    # fresh 512-token prompt's first tile reads 128 keys, not 512 (5/8 of the work in all).
-    width = block_tables.shape[1]
     parts = max(1, min(4, per_row, width))
-    spans = [-(-width * (i + 1) // parts) for i in range(parts)]  # pages, the last = width
-    page_size = k_pages.shape[-2]
+    spans = [-(-width * (i + 1) // parts) for i in range(parts)]  # units; the last = width
 
     def one(args: tuple[jax.Array, ...]) -> jax.Array:
-        q_tile, pages, positions, length = args
+        q_tile, keys, positions, length = args
         last = jnp.minimum(jnp.max(positions), length - 1)  # the tile's last key
-        which = jnp.searchsorted(jnp.asarray(spans) * page_size, last, side="right")
+        which = jnp.searchsorted(jnp.asarray(spans) * unit, last, side="right")
 
         def attend(span: int) -> jax.Array:
-            p = pages[:span]
-            return attend_blocks(q_tile[None], pages_of(k_pages, p), pages_of(v_pages, p),
-                                 positions[None], length[None], sm_scale=sm_scale)[0]
+            k, v = read(keys, span)
+            return attend_blocks(q_tile[None], k, v, positions[None], length[None],
+                                 sm_scale=sm_scale)[0]
 
         branches = [functools.partial(attend, span) for span in spans]
         return lax.switch(jnp.minimum(which, parts - 1), branches)
 
     repeat = lambda x: jnp.repeat(x, per_row, axis=0)  # noqa: E731  row -> its tiles
-    out = lax.map(one, (q.reshape((batch * per_row, tile) + q.shape[2:]), repeat(block_tables),
+    out = lax.map(one, (q.reshape((batch * per_row, tile) + q.shape[2:]), repeat(row_keys),
                         q_positions.reshape(batch * per_row, tile), repeat(lengths)))
     return out.reshape(q.shape)
 

@@ -2,7 +2,10 @@
 
 It exists for comparison: every test and experiment can swap one for the other. Forking
 copies KV rows (what a dense cache must do), and memory is ``max_seqs * max_len`` slots
-whatever the sequences actually hold.
+whatever the sequences actually hold. Its attention gets the same CPU-cache tiling as the paged
+path (decode: a few rows at a time; prefill: one row's query tile at a time, reading only the
+keys it can see), so a paged vs dense comparison measures paging, not tiling; what it lacks by
+nature is the paged chunk list's raggedness: every row reads the whole window.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax import lax
+
+from pallas_kernels import chunked
 from pallas_kernels.reference import attend_blocks, default_sm_scale
 from paxkv.step_info import StepInfo
 
@@ -115,13 +121,44 @@ class DenseCache:
         new_k = self.k.at[layer, rows[:, None], :, slot].set(k.astype(self.k.dtype), mode="drop")
         new_v = self.v.at[layer, rows[:, None], :, slot].set(v.astype(self.v.dtype), mode="drop")
         window = self.max_len if self.window is None else self.window
-        k_ctx = jax.lax.dynamic_index_in_dim(new_k, layer, 0, keepdims=False)[:, :, :window]
-        v_ctx = jax.lax.dynamic_index_in_dim(new_v, layer, 0, keepdims=False)[:, :, :window]
-        if step.rows is not None:
-            k_ctx, v_ctx = k_ctx[step.rows], v_ctx[step.rows]
-        out = attend_blocks(q, k_ctx[:, None], v_ctx[:, None], step.positions, step.lengths,
-                            sm_scale=default_sm_scale(q.shape[-1], None))
+        sm_scale = default_sm_scale(q.shape[-1], None)
+        if q.shape[1] == 1:
+            out = _decode_in_row_groups(new_k, new_v, layer, rows, q, step, window, sm_scale)
+        else:
+            _, _, kv_heads, _, head_dim = new_k.shape
+
+            def read(row: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+                at, size = (layer, row, 0, 0, 0), (1, 1, kv_heads, n, head_dim)
+                return lax.dynamic_slice(new_k, at, size), lax.dynamic_slice(new_v, at, size)
+
+            out = chunked.query_tiles(q, step.positions, step.lengths, rows, read, width=window,
+                                      unit=1, sm_scale=sm_scale)
         return dataclasses.replace(self, k=new_k, v=new_v), out
+
+
+# Keys per decode tile: the paged path's 16 chunks of 128 (paxkv.paged_cache.TILE_CHUNKS).
+TILE_TOKENS = 2048
+
+
+def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
+                          rows: jax.Array, q: jax.Array, step: StepInfo, window: int,
+                          sm_scale: float) -> jax.Array:
+    """Decode attention ``q [b, 1, heads, d]`` a group of rows at a time under ``lax.map``
+    (``TILE_TOKENS`` keys a group, the batch split evenly) -> ``[b, 1, heads, d]``."""
+    batch = q.shape[0]
+    group = 1
+    while 2 * group * window <= TILE_TOKENS and batch % (2 * group) == 0:
+        group *= 2
+
+    def one(args: tuple[jax.Array, ...]) -> jax.Array:
+        q_g, rows_g, positions, lengths = args
+        k = k_all[layer, rows_g, :, :window][:, None]  # [group, 1, kv_heads, window, d]
+        v = v_all[layer, rows_g, :, :window][:, None]
+        return attend_blocks(q_g, k, v, positions, lengths, sm_scale=sm_scale)
+
+    split = lambda x: x.reshape((batch // group, group) + x.shape[1:])  # noqa: E731
+    out = lax.map(one, (split(q), split(rows), split(step.positions), split(step.lengths)))
+    return out.reshape(q.shape)
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,

@@ -204,7 +204,9 @@ def _xla_decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
     the list covers every row's whole window from its first page (always enough)."""
     batch, width = block_tables.shape
     sm_scale = default_sm_scale(q.shape[-1], None)
-    chunk_pages = max(1, CHUNK_TOKENS // page_size)  # PagedCache.chunk_pages
+    # PagedCache.chunk_pages, or the whole window when it is shorter (a chunk never reads past
+    # the window; either way a row within the window is one chunk, so a hint stays valid).
+    chunk_pages = min(width, max(1, CHUNK_TOKENS // page_size))
     live = step.query_lengths > 0
     cascade = 0 < prefix_pages < width
     start = prefix_pages if cascade else 0
