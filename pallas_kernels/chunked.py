@@ -78,6 +78,13 @@ class ChunkWork(NamedTuple):
     total: jax.Array
 
 
+def tiles_pay() -> bool:
+    """Whether to run attention in cache-sized tiles: on a CPU, yes; a GPU runs ``lax.map``'s
+    iterations one after the other and wants one wide pass (its own path is the Pallas
+    kernels; the XLA path there is a comparison)."""
+    return jax.default_backend() == "cpu"
+
+
 def list_shape(needed: int, max_tile: int) -> tuple[int, int]:
     """``(num_chunks, tile_chunks)`` for a list of at least ``needed`` chunks: one tile of the
     next power of two up to ``max_tile`` chunks (a single short row pays for no padding tiles),

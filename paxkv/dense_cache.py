@@ -122,7 +122,11 @@ class DenseCache:
         new_v = self.v.at[layer, rows[:, None], :, slot].set(v.astype(self.v.dtype), mode="drop")
         window = self.max_len if self.window is None else self.window
         sm_scale = default_sm_scale(q.shape[-1], None)
-        if q.shape[1] == 1:
+        if not chunked.tiles_pay():  # one wide pass (a GPU)
+            k_ctx, v_ctx = (x[layer, rows, :, :window][:, None] for x in (new_k, new_v))
+            out = attend_blocks(q, k_ctx, v_ctx, step.positions, step.lengths,
+                                sm_scale=sm_scale)
+        elif q.shape[1] == 1:
             out = _decode_in_row_groups(new_k, new_v, layer, rows, q, step, window, sm_scale)
         else:
             _, _, kv_heads, _, head_dim = new_k.shape

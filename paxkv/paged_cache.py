@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import chunked
-from pallas_kernels.reference import attend_blocks_with_prefix, default_sm_scale
+from pallas_kernels.reference import attend_blocks, attend_blocks_with_prefix, default_sm_scale
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
 from paxkv.step_info import StepInfo
@@ -166,8 +166,12 @@ def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
     sm_scale = default_sm_scale(q.shape[-1], None)
 
     def per_row() -> jax.Array:
-        return chunked.attend_in_query_tiles(q, pool.k, pool.v, block_tables, step.positions,
-                                             step.lengths, sm_scale=sm_scale, layer=layer)
+        if chunked.tiles_pay():
+            return chunked.attend_in_query_tiles(q, pool.k, pool.v, block_tables,
+                                                 step.positions, step.lengths,
+                                                 sm_scale=sm_scale, layer=layer)
+        return attend_blocks(q, pool.k[layer, block_tables], pool.v[layer, block_tables],
+                             step.positions, step.lengths, sm_scale=sm_scale)
 
     if not 0 < prefix_pages < block_tables.shape[1]:
         return per_row()
@@ -213,6 +217,8 @@ def _xla_decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
 
     def partials(start_page: int, needed: int) -> chunked.Partial:
         num_chunks, tile = chunked.list_shape(needed, TILE_CHUNKS)
+        if not chunked.tiles_pay():
+            tile = num_chunks
         work = chunked.chunk_work(step.lengths, live, start_page=start_page,
                                   page_size=page_size, chunk_pages=chunk_pages,
                                   num_chunks=num_chunks)

@@ -212,3 +212,32 @@ def test_cache_uses_the_hinted_list_only_when_it_covers_the_rows(monkeypatch):
     poison(2)
     np.testing.assert_allclose(_decode(cache, 2), want, rtol=1e-6)
     assert {2, 16} <= set(lengths_seen), lengths_seen  # both branches traced, whole rows ran
+
+
+@pytest.mark.parametrize("kind", ["paged", "dense"])
+def test_one_wide_pass_off_cpu_equals_the_tiles(monkeypatch, kind):
+    """Off a CPU (``tiles_pay()`` False) both caches attend in one pass; same outputs."""
+    from paxkv import dense_cache  # noqa: PLC0415
+
+    def run() -> list[np.ndarray]:
+        dims = dict(num_layers=1, num_kv_heads=2, head_dim=8, max_seqs=3, max_len=64)
+        cache = (paged_cache.create(num_pages=40, page_size=4, **dims) if kind == "paged"
+                 else dense_cache.create(**dims))
+        rng = np.random.default_rng(2)
+        outs = []
+        for new in ([20, 5, 0], [1, 1, 0]):  # a ragged prefill, then a decode step
+            cache, ok = cache.reserve(jnp.array(new, jnp.int32), max_new=20)
+            assert bool(ok.all())
+            t = max(new)
+            q = jnp.asarray(rng.standard_normal((3, t, 6, 8)), jnp.float32)
+            kv = jnp.asarray(rng.standard_normal((3, t, 2, 8)), jnp.float32)
+            step = StepInfo.make(cache.lengths, jnp.array(new, jnp.int32), t)
+            cache, out = jax.jit(lambda c, q, kv, s: c.attend(0, q, kv, kv, s))(cache, q, kv,
+                                                                                 step)
+            outs.append(np.asarray(out))
+        return outs
+
+    tiled = run()
+    monkeypatch.setattr(chunked, "tiles_pay", lambda: False)
+    for got, want in zip(run(), tiled):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
