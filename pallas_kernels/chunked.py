@@ -22,8 +22,8 @@ split the way flash-decoding splits a GPU kernel's work:
       row 2: idle        -> none
       flat list: [(0,0), (0,1), (0,2), (1,0), pad, pad, ...]      num_chunks static
 
-* **Tiles.** The list runs ``tile_chunks`` chunks at a time under ``lax.map``, so each gather and
-  its two products work on a few MB that stay in cache.
+* **Tiles.** On a CPU (:func:`tiles_pay`) the list runs ``tile_chunks`` chunks at a time under
+  ``lax.map``, so each gather and its two products work on a few MB that stay in cache.
 * **Merge.** Each chunk yields a softmax partial (max, sum of exponentials, unnormalised output);
   a row's partials are merged with ``segment_max`` / ``segment_sum`` (log-sum-exp rescaling), so
   the result equals one softmax over the row's keys. A caller with more partials for the same
@@ -42,6 +42,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from pallas_kernels.reference import attend_blocks
 
@@ -100,7 +101,8 @@ def list_shape(needed: int, max_tile: int) -> tuple[int, int]:
     return -(-tiles // step) * step * max_tile, max_tile
 
 
-def chunks_needed(lengths, *, start_page: int, page_size: int, chunk_pages: int):
+def chunks_needed(lengths: ArrayLike, *, start_page: int, page_size: int,
+                  chunk_pages: int) -> ArrayLike:
     """Chunks a row of ``lengths`` tokens needs past ``start_page`` (numpy or jnp, elementwise):
     the caller's side of the work list, for sizing ``num_chunks``."""
     span = chunk_pages * page_size

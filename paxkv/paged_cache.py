@@ -103,9 +103,15 @@ class PagedCache:
     def with_decode_chunks(self, num_chunks: int | None) -> "PagedCache":
         """The same cache with the ``decode_chunks`` hint, rounded up to the work list's
         length (:func:`pallas_kernels.chunked.list_shape`, so nearby counts share a compiled
-        step); static, see the class docstring."""
+        step); static, see the class docstring. A hint no shorter than every row's whole
+        window (after the shared prefix) is dropped: it would change nothing but the compile
+        cache's key (set the window and the shared prefix first)."""
         if num_chunks is not None:
             num_chunks = chunked.list_shape(num_chunks, TILE_CHUNKS)[0]
+            pages = self.window_pages or self.table.max_pages_per_seq
+            chunk = min(pages, self.chunk_pages)
+            if num_chunks >= self.max_seqs * -(-(pages - self.prefix_pages) // chunk):
+                num_chunks = None
         return dataclasses.replace(self, decode_chunks=num_chunks)
 
     @property
