@@ -23,7 +23,8 @@ split the way flash-decoding splits a GPU kernel's work:
       flat list: [(0,0), (0,1), (0,2), (1,0), pad, pad, ...]      num_chunks static
 
 * **Tiles.** On a CPU (:func:`tiles_pay`) the list runs ``tile_chunks`` chunks at a time under
-  ``lax.map``, so each gather and its two products work on a few MB that stay in cache.
+  ``lax.map``, so each gather and its two products work on a few MB that stay in cache. A
+  tile's keys are gathered already transposed for the score product (:func:`keys_partial`).
 * **Merge.** Each chunk yields a softmax partial (max, sum of exponentials, unnormalised output);
   a row's partials are merged with ``segment_max`` / ``segment_sum`` (log-sum-exp rescaling), so
   the result equals one softmax over the row's keys. A caller with more partials for the same
@@ -126,7 +127,10 @@ def chunk_work(lengths: jax.Array, live: jax.Array, *, start_page: int, page_siz
                                             chunk_pages=chunk_pages), 0).astype(jnp.int32)
     ends = jnp.cumsum(per_row)
     j = jnp.arange(num_chunks, dtype=jnp.int32)
-    row = jnp.minimum(jnp.searchsorted(ends, j, side="right"), batch - 1).astype(jnp.int32)
+    # compare_all: one [num_chunks, b] comparison; the default method is a while loop, which
+    # runs again in every layer (XLA does not hoist it out of the layer scan).
+    row = jnp.searchsorted(ends, j, side="right", method="compare_all")
+    row = jnp.minimum(row, batch - 1).astype(jnp.int32)
     index_in_row = j - (ends[row] - per_row[row])
     return ChunkWork(row=row, first_page=start_page + index_in_row * chunk_pages,
                      valid=j < ends[-1], total=ends[-1])
@@ -164,24 +168,28 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     slot = jnp.arange(chunk_pages)[:, None] * page_size + jnp.arange(page_size)[None]  # [c, s]
 
     def pages_of(pool: jax.Array, pages: jax.Array) -> jax.Array:
-        return pool[pages] if layer is None else pool[layer, pages]
+        # Block-table entries and the layer are in range by construction; without the
+        # negative-index wrap, the gather's index per element is one load.
+        at = pool.at[pages] if layer is None else pool.at[layer, pages]
+        return at.get(mode="promise_in_bounds", wrap_negative_indices=False)
 
     def tile(args: tuple[jax.Array, ...]) -> Partial:
         row, first, valid = args  # [T]
         cols = first[:, None] + jnp.arange(chunk_pages)[None]  # [T, c]
         pages = jnp.take_along_axis(block_tables[row], jnp.minimum(cols, width - 1), axis=1)
+        # Materialise the tile's page ids: fused into the K/V copies, their arithmetic would
+        # run once per copied element.
+        pages = lax.optimization_barrier(pages)
         key_pos = first[:, None, None] * page_size + slot[None]  # [T, c, s]
         key_live = (key_pos < lengths[row][:, None, None]) & valid[:, None, None]
-        scores = jnp.einsum("tkgd,tcksd->tkgcs", q_grouped[row], pages_of(k_pages, pages),
-                            preferred_element_type=jnp.float32) * sm_scale
-        scores = jnp.where(key_live[:, None, None], scores, _NEG_INF)
-        top = jnp.max(scores, axis=(-2, -1))  # [T, k, g]
-        probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None, None])
+
+        k = pages_of(k_pages, pages)  # [T, c, k, s, d]
         v = pages_of(v_pages, pages)
-        v = jnp.where(key_live[:, :, None, :, None], v, jnp.zeros((), v.dtype))
-        out = jnp.einsum("tkgcs,tcksd->tkgd", probs.astype(v.dtype), v,
-                         preferred_element_type=jnp.float32)
-        return Partial(top, jnp.sum(probs, axis=(-2, -1)), out)
+        n = k.shape[0]
+        # One transpose each (two in a row fuse into a copy that runs 2x slower here).
+        k_t = k.transpose(0, 2, 4, 1, 3).reshape(n, num_kv_heads, head_dim, -1)  # [T, k, d, cs]
+        v = v.transpose(0, 2, 1, 3, 4).reshape(n, num_kv_heads, -1, head_dim)  # [T, k, cs, d]
+        return keys_partial(q_grouped[row], k_t, v, key_live.reshape(n, -1), sm_scale=sm_scale)
 
     tiles = num_chunks // tile_chunks
     split = lambda x: x.reshape((tiles, tile_chunks) + x.shape[1:])  # noqa: E731
@@ -197,6 +205,37 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return Partial(row_max,
                    jax.ops.segment_sum(scale * parts.sum, **seg)[:batch],
                    jax.ops.segment_sum(scale[..., None] * parts.out, **seg)[:batch])
+
+
+def keys_partial(q: jax.Array, k_t: jax.Array, v: jax.Array, live: jax.Array, *,
+                 sm_scale: float) -> Partial:
+    """Softmax partials of ``n`` independent (queries, keys) pairs: the inner product of both
+    decode paths' tiles (paged chunks, dense row groups).
+
+    The two products are shaped for XLA:CPU, where they are small (a GQA group's 3 queries
+    against a few hundred keys) and a batched ``dot`` runs far below the machine's speed: the
+    scores are a multiply-and-sum over ``head_dim`` of keys laid out ``[head_dim, keys]``
+    (callers transpose them in the copy that gathers them anyway), and only the value product
+    is a ``dot``.
+
+    Args:
+      q: ``[n, kv_heads, group, head_dim]``.
+      k_t: ``[n, kv_heads, head_dim, keys]``: the keys, transposed.
+      v: ``[n, kv_heads, keys, head_dim]`` (any float dtype; products in float32).
+      live: bool ``[n, keys]``: keys to attend to; the rest are excluded with ``where``, so
+        NaN there never reaches an output.
+
+    Returns:
+      :class:`Partial` of shape ``[n, kv_heads, group(, head_dim)]``.
+    """
+    f32 = jnp.float32
+    scores = jnp.sum(q.astype(f32)[..., None] * k_t.astype(f32)[:, :, None], axis=3) * sm_scale
+    scores = jnp.where(live[:, None, None], scores, _NEG_INF)  # [n, k, g, keys]
+    top = jnp.max(scores, axis=-1)
+    probs = jnp.exp(scores - _finite(top)[..., None])
+    v = jnp.where(live[:, None, :, None], v.astype(f32), 0.0)
+    out = lax.dot_general(probs, v, (((3,), (2,)), ((0, 1), (0, 1))))
+    return Partial(top, jnp.sum(probs, axis=-1), out)
 
 
 def merge(a: Partial, b: Partial) -> Partial:

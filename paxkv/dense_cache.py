@@ -140,25 +140,36 @@ class DenseCache:
         return dataclasses.replace(self, k=new_k, v=new_v), out
 
 
-# Keys per decode tile: the paged path's 16 chunks of 128 (paxkv.paged_cache.TILE_CHUNKS).
-TILE_TOKENS = 2048
+# Keys per decode tile: the paged path's 32 chunks of 128 (paxkv.paged_cache.TILE_CHUNKS).
+TILE_TOKENS = 4096
 
 
 def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                           rows: jax.Array, q: jax.Array, step: StepInfo, window: int,
                           sm_scale: float) -> jax.Array:
     """Decode attention ``q [b, 1, heads, d]`` a group of rows at a time under ``lax.map``
-    (``TILE_TOKENS`` keys a group, the batch split evenly) -> ``[b, 1, heads, d]``."""
+    (``TILE_TOKENS`` keys a group, the batch split evenly) -> ``[b, 1, heads, d]``, through
+    the paged path's inner product (:func:`pallas_kernels.chunked.keys_partial`)."""
     batch = q.shape[0]
     group = 1
     while 2 * group * window <= TILE_TOKENS and batch % (2 * group) == 0:
         group *= 2
+    _, _, kv_heads, _, head_dim = k_all.shape
+    key_pos = jnp.arange(window)
 
     def one(args: tuple[jax.Array, ...]) -> jax.Array:
-        q_g, rows_g, positions, lengths = args
-        k = k_all[layer, rows_g, :, :window][:, None]  # [group, 1, kv_heads, window, d]
-        v = v_all[layer, rows_g, :, :window][:, None]
-        return attend_blocks(q_g, k, v, positions, lengths, sm_scale=sm_scale)
+        q_g, rows_g, positions, lengths = args  # [group, 1, heads, d], [group], [group, 1], ..
+        live = ((key_pos[None] < lengths[:, None]) & (key_pos[None] <= positions)
+                & (positions >= 0))  # [group, window]
+
+        def read(kv: jax.Array) -> jax.Array:  # [group, kv_heads, window, d]
+            return kv.at[layer, rows_g, :, :window].get(mode="promise_in_bounds",
+                                                        wrap_negative_indices=False)
+
+        parts = chunked.keys_partial(q_g.reshape(group, kv_heads, -1, head_dim),
+                                     read(k_all).swapaxes(-1, -2), read(v_all), live,
+                                     sm_scale=sm_scale)
+        return chunked.finish(parts, q.dtype)[:, None]
 
     split = lambda x: x.reshape((batch // group, group) + x.shape[1:])  # noqa: E731
     out = lax.map(one, (split(q), split(rows), split(step.positions), split(step.lengths)))

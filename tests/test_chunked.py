@@ -131,6 +131,31 @@ def test_merge_of_disjoint_key_sets_is_one_softmax():
     assert not np.asarray(chunked.finish(chunked.merge(empty, empty), jnp.float32)).any()
 
 
+def test_keys_partial_is_a_masked_softmax_of_transposed_keys():
+    """The tiles' inner product (keys laid out [head_dim, keys]) == a float64 softmax over the
+    live keys; NaN behind dead keys stays out, and an item with no live key is empty."""
+    rng = np.random.default_rng(4)
+    n, kv, group, d, keys = 3, 2, 3, 16, 40
+    q = rng.standard_normal((n, kv, group, d))
+    k = rng.standard_normal((n, kv, keys, d))
+    v = rng.standard_normal((n, kv, keys, d))
+    live = np.ones((n, keys), bool)
+    live[0, 25:] = False
+    live[2] = False  # nothing to attend to
+    k[~live[:, None, :].repeat(kv, 1)] = np.nan
+    v[~live[:, None, :].repeat(kv, 1)] = np.nan
+    parts = chunked.keys_partial(*(jnp.asarray(x, jnp.float32) for x in
+                                   (q, k.swapaxes(-1, -2), v)), jnp.asarray(live), sm_scale=0.3)
+    out = np.asarray(chunked.finish(parts, jnp.float32)).reshape(n, kv, group, d)
+    for i in range(2):
+        s = 0.3 * np.einsum("kgd,ksd->kgs", q[i], k[i][:, live[i]])
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("kgs,ksd->kgd", p / p.sum(-1, keepdims=True), v[i][:, live[i]])
+        np.testing.assert_allclose(out[i], want, rtol=2e-5, atol=2e-6)
+    assert not out[2].any() and np.isfinite(out).all()
+    assert np.isneginf(np.asarray(parts.max)[2]).all()
+
+
 def test_query_tiles_equal_one_pass():
     """Prefill through (row, query tile) pieces: ragged queries, cached context before them,
     padding queries, NaN in every slot no row holds."""
