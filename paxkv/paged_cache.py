@@ -190,9 +190,7 @@ def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
             q, pool.k[layer, shared], pool.v[layer, shared], pool.k[layer, rest],
             pool.v[layer, rest], step.positions, step.lengths, sm_scale=sm_scale)
 
-    holds = (jnp.any(live)
-             & jnp.all((block_tables[:, :prefix_pages] == shared) | ~live[:, None])
-             & jnp.all((step.positions >= prefix_pages * page_size) | (step.positions < 0)))
+    holds = _prefix_holds(block_tables, shared, live, step.positions, prefix_pages * page_size)
     return lax.cond(holds, cascade, per_row)
 
 
@@ -251,13 +249,24 @@ def _xla_decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
 
     holds = jnp.any(live)
     if cascade:
-        holds &= (jnp.all((block_tables[:, :prefix_pages] == shared[None]) | ~live[:, None])
-                  & jnp.all(~live | (step.lengths > prefix_pages * page_size)))
+        holds &= _prefix_holds(block_tables, shared, live, step.positions,
+                               prefix_pages * page_size)
     if hinted:
         needed = chunked.chunks_needed(step.lengths, start_page=start, page_size=page_size,
                                        chunk_pages=chunk_pages)
         holds &= jnp.sum(jnp.where(live, needed, 0)) <= decode_chunks
     return lax.cond(holds, fast, safe)
+
+
+def _prefix_holds(block_tables: jax.Array, shared: jax.Array, live: jax.Array,
+                  positions: jax.Array, prefix_tokens: int) -> jax.Array:
+    """Whether a shared-prefix hint holds this step (bool scalar): some row is live, every live
+    row's table starts with the pages ``shared`` (int32 ``[prefix_pages]``), and every query
+    (``positions [b, t]``, -1: padding) sits past the prefix, so none of the prefix's causal
+    mask is partial."""
+    return (jnp.any(live)
+            & jnp.all((block_tables[:, :shared.shape[0]] == shared[None]) | ~live[:, None])
+            & jnp.all((positions >= prefix_tokens) | (positions < 0)))
 
 
 def _shared_partial(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, shared: jax.Array,
