@@ -247,10 +247,8 @@ def _xla_decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
             parts = chunked.merge(_shared_partial(pool, layer, q, shared, live, sm_scale), parts)
         return chunked.finish(parts, q.dtype)
 
-    holds = jnp.any(live)
-    if cascade:
-        holds &= _prefix_holds(block_tables, shared, live, step.positions,
-                               prefix_pages * page_size)
+    holds = (_prefix_holds(block_tables, shared, live, step.positions, prefix_pages * page_size)
+             if cascade else jnp.any(live))
     if hinted:
         needed = chunked.chunks_needed(step.lengths, start_page=start, page_size=page_size,
                                        chunk_pages=chunk_pages)
