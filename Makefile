@@ -21,8 +21,9 @@ $(VENV)/.testing: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(PY) -m experiments.demo
 
+# Two workers, one per core here; a file's tests stay on one worker (they share its compiles).
 test: $(VENV)/.testing
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

@@ -36,7 +36,7 @@ import numpy as np
 import models
 from experiments.common import print_table, write_json
 from experiments.decode import filled_cache, step_logits
-from models.params import build_params
+from models.params import build_params, checkpoint_shapes
 from paxkv import paged_cache, steps
 
 SMOLLM2_135M = models.LlamaConfig(
@@ -50,21 +50,12 @@ VARIANTS = (("paged", "pallas"), ("paged", "xla"), ("dense", "xla"))
 def random_model(config: models.LlamaConfig, seed: int = 0) -> models.LanguageModel:
     """SmolLM2-shaped weights drawn at the scale of a trained model's (std 0.05; norms 1)."""
     rng = np.random.default_rng(seed)
+    shapes = checkpoint_shapes(config)
 
     def fetch(name: str) -> np.ndarray:
-        c, dh = config, config.head_dim
-        last = name.rsplit(".", 1)[-1]
-        if last in ("input_norm", "post_attn_norm") or name == "final_norm":
-            return np.ones((c.hidden_size,), np.float32)
-        shapes = dict(embed=(c.vocab_size, c.hidden_size), lm_head=(c.vocab_size, c.hidden_size),
-                      q_proj=(c.num_heads * dh, c.hidden_size),
-                      k_proj=(c.num_kv_heads * dh, c.hidden_size),
-                      v_proj=(c.num_kv_heads * dh, c.hidden_size),
-                      o_proj=(c.hidden_size, c.num_heads * dh),
-                      gate_proj=(c.intermediate_size, c.hidden_size),
-                      up_proj=(c.intermediate_size, c.hidden_size),
-                      down_proj=(c.hidden_size, c.intermediate_size))
-        return rng.normal(0.0, 0.05, shapes[last]).astype(np.float32)
+        if name.rsplit(".", 1)[-1] in ("input_norm", "post_attn_norm") or name == "final_norm":
+            return np.ones(shapes[name], np.float32)
+        return rng.normal(0.0, 0.05, shapes[name]).astype(np.float32)
 
     return models.LanguageModel(config, build_params(config, fetch), tokenizer=None,
                                 name="random-smollm2-135m")

@@ -33,6 +33,15 @@ _GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm
                  "lm_head": "lm_head.weight"}
 
 
+def hf_name(name: str) -> str:
+    """A :mod:`models.params` fetch name -> the HF checkpoint's tensor name
+    (``layers.3.q_proj`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    if name.startswith("layers."):
+        _, layer, short = name.split(".", 2)
+        return f"model.layers.{layer}.{_LAYER_NAMES[short]}"
+    return _GLOBAL_NAMES[name]
+
+
 def _read_json(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
@@ -116,13 +125,9 @@ def load_hf_folder(folder: str | os.PathLike, dtype: Any = jnp.float32
     where = {name: h for h in handles for name in h.keys()}
 
     def fetch(name: str) -> np.ndarray:
-        if name.startswith("layers."):
-            _, layer, short = name.split(".", 2)
-            hf_name = f"model.layers.{layer}.{_LAYER_NAMES[short]}"
-        else:
-            hf_name = _GLOBAL_NAMES[name]
-        if hf_name not in where:
-            raise ValueError(f"{folder!r} has no tensor {hf_name!r}")
-        return np.asarray(where[hf_name].get_tensor(hf_name), dtype=np.float32)
+        tensor = hf_name(name)
+        if tensor not in where:
+            raise ValueError(f"{folder!r} has no tensor {tensor!r}")
+        return np.asarray(where[tensor].get_tensor(tensor), dtype=np.float32)
 
     return config, build_params(config, fetch, dtype)

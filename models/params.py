@@ -43,6 +43,22 @@ def _layer_layout(c: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple[int,
     return layout
 
 
+def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor :func:`build_params` fetches -> its HF-orientation shape, in fetch order:
+    ``embed``, ``final_norm``, ``lm_head`` (untied heads only), then ``layers.{i}.{name}``
+    for each layer. Writers of synthetic checkpoints (test oracles, GPU experiments that cannot
+    ship the GGUF) draw their tensors from it, so they cannot drift from what the loaders read.
+    """
+    c = config
+    shapes = {"embed": (c.vocab_size, c.hidden_size), "final_norm": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (c.vocab_size, c.hidden_size)
+    layout = _layer_layout(c).values()
+    for i in range(c.num_layers):
+        shapes.update({f"layers.{i}.{name}": shape for name, shape, _ in layout})
+    return shapes
+
+
 def _checked(fetch: Fetch, name: str, shape: tuple[int, ...]) -> np.ndarray:
     w = fetch(name)
     if tuple(w.shape) != shape:

@@ -122,36 +122,72 @@ def attend_blocks_with_prefix(
     group = num_q_heads // num_kv_heads
     prefix = prefix_pages * page_size
     q_grouped = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-    real = (q_positions >= 0)[:, :, None, None]  # [b, t, 1, 1]
+    real = q_positions >= 0  # [b, t]
 
-    # The shared part: [kv_heads, prefix, d], one product per kv head for all rows; in float32
-    # (it is read once, and XLA:CPU has no bf16 x bf16 -> f32 kernel for this product).
-    f32 = jnp.float32
-    k_shared = k_prefix.transpose(1, 0, 2, 3).reshape(num_kv_heads, prefix, head_dim).astype(f32)
-    v_shared = v_prefix.transpose(1, 0, 2, 3).reshape(num_kv_heads, prefix, head_dim).astype(f32)
-    s_shared = jnp.einsum("btkgd,ksd->btkgs", q_grouped.astype(f32), k_shared) * sm_scale
-    s_shared = jnp.where(real[..., None], s_shared, _NEG_INF)
+    # The shared part: every (row, query) at once, as partials [b, t, k, g(, d)].
+    shared = attend_shared_pages(q_grouped.reshape(batch * q_len, num_kv_heads, group, head_dim),
+                                 k_prefix, v_prefix, real.reshape(-1), sm_scale=sm_scale)
+    m_shared, l_shared, o_shared = (x.reshape((batch, q_len) + x.shape[1:]) for x in shared)
 
     # The per-row rest, masked as in attend_blocks.
     key_pos = prefix + jnp.arange(num_blocks)[:, None] * block_size + jnp.arange(block_size)
     key_live = key_pos[None] < lengths[:, None, None]  # [b, m, s]
     visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
-    visible &= real  # [b, t, m, s]
+    visible &= real[:, :, None, None]  # [b, t, m, s]
     s_own = jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
                        preferred_element_type=jnp.float32) * sm_scale
     s_own = jnp.where(visible[:, :, None, None], s_own, _NEG_INF)
 
-    row_max = jnp.maximum(jnp.max(s_shared, axis=-1), jnp.max(s_own, axis=(-2, -1)))
+    # One softmax over both parts: rescale the shared partials to the joint max.
+    row_max = jnp.maximum(m_shared, jnp.max(s_own, axis=(-2, -1)))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # [b, t, k, g]
-    p_shared = jnp.exp(s_shared - row_max[..., None])
+    w_shared = jnp.where(jnp.isfinite(m_shared), jnp.exp(m_shared - row_max), 0.0)
     p_own = jnp.exp(s_own - row_max[..., None, None])
-    denom = jnp.sum(p_shared, axis=-1) + jnp.sum(p_own, axis=(-2, -1))
+    denom = w_shared * l_shared + jnp.sum(p_own, axis=(-2, -1))
     v_live = jnp.where(key_live[:, :, None, :, None], v_blocks, jnp.zeros((), v_blocks.dtype))
-    out = (jnp.einsum("btkgs,ksd->btkgd", p_shared, v_shared)
+    out = (w_shared[..., None] * o_shared
            + jnp.einsum("btkgms,bmksd->btkgd", p_own.astype(v_blocks.dtype), v_live,
                         preferred_element_type=jnp.float32))
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
+
+
+def attend_shared_pages(
+    q_grouped: jax.Array,
+    k_prefix: jax.Array,
+    v_prefix: jax.Array,
+    live: jax.Array,
+    *,
+    sm_scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Softmax partials of many queries over the same pages, all of them visible: the shared
+    part of cascade attention, for prefill (:func:`attend_blocks_with_prefix`) and decode
+    (``paxkv.paged_cache``).
+
+    One ``[n * group, d] x [d, prefix]`` product per kv head, in float32 (the pages are read
+    once, and XLA:CPU has no bf16 x bf16 -> f32 kernel for this product).
+
+    Args:
+      q_grouped: ``[n, num_kv_heads, group, head_dim]``: the queries, by kv head.
+      k_prefix, v_prefix: ``[prefix_pages, num_kv_heads, page_size, head_dim]``.
+      live: bool ``[n]``: queries that attend (the rest get max -inf, zeros).
+
+    Returns:
+      ``(max, sum, out)``: float32 ``[n, kv, group]`` (the largest score), ``[n, kv, group]``
+      (sum of ``exp(score - max)``) and ``[n, kv, group, head_dim]`` (sum of
+      ``exp(score - max) * value``) -- :class:`pallas_kernels.chunked.Partial`'s fields.
+    """
+    prefix_pages, num_kv_heads, page_size, head_dim = k_prefix.shape
+    f32 = jnp.float32
+
+    def keys(pages: jax.Array) -> jax.Array:  # [n, k, s, d] -> [k, n * s, d]
+        return pages.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim).astype(f32)
+
+    scores = jnp.einsum("nkgd,ksd->nkgs", q_grouped.astype(f32), keys(k_prefix)) * sm_scale
+    scores = jnp.where(live[:, None, None, None], scores, _NEG_INF)
+    top = jnp.max(scores, axis=-1)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
+    return top, jnp.sum(probs, axis=-1), jnp.einsum("nkgs,ksd->nkgd", probs, keys(v_prefix))
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import chunked
-from pallas_kernels.reference import attend_blocks, attend_blocks_with_prefix, default_sm_scale
+from pallas_kernels.reference import (attend_blocks, attend_blocks_with_prefix,
+                                     attend_shared_pages, default_sm_scale)
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
 from paxkv.step_info import StepInfo
@@ -269,22 +270,13 @@ def _prefix_holds(block_tables: jax.Array, shared: jax.Array, live: jax.Array,
 
 def _shared_partial(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, shared: jax.Array,
                     live: jax.Array, sm_scale: float) -> chunked.Partial:
-    """Softmax partials of every live row over the same pages ``shared`` (int32 ``[n]``): one
-    ``[rows x group, d] x [d, n x page_size]`` product per kv head (cascade attention)."""
+    """Softmax partials of every live row ``q [b, heads, d]`` over the same pages ``shared``
+    (int32 ``[n]``), read once for all rows (cascade attention)."""
     batch, num_q_heads, head_dim = q.shape
-    _, kv_heads, page_size, _ = pool.k.shape[1:]
-    f32 = jnp.float32
-
-    def keys(pages: jax.Array) -> jax.Array:  # [n, k, s, d] -> [k, n * s, d]
-        return pages.transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim).astype(f32)
-
-    k, v = keys(pool.k[layer, shared]), keys(pool.v[layer, shared])
-    q_grouped = q.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim).astype(f32)
-    scores = jnp.einsum("bkgd,ksd->bkgs", q_grouped, k) * sm_scale
-    scores = jnp.where(live[:, None, None, None], scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1)
-    probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
-    return chunked.Partial(top, jnp.sum(probs, axis=-1), jnp.einsum("bkgs,ksd->bkgd", probs, v))
+    kv_heads = pool.k.shape[2]
+    q_grouped = q.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)
+    return chunked.Partial(*attend_shared_pages(q_grouped, pool.k[layer, shared],
+                                                pool.v[layer, shared], live, sm_scale=sm_scale))
 
 
 def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, k: jax.Array,

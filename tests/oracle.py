@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 import models
+from models.hf_loader import hf_name
+from models.params import checkpoint_shapes
 
 # NOTE: tests import this module both as ``oracle`` (conftest) and as ``tests.oracle``. One
 # module object under both names means one HF model load and one cache dir per session.
@@ -206,24 +208,12 @@ def set_hf_state(model: Any, state: dict[str, np.ndarray]) -> None:
 
 
 def random_llama_state(config: models.LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 weights for ``config`` by HF name (no torch needed)."""
+    """Random float32 weights for ``config`` by HF name (no torch needed); ``lm_head.weight``
+    is drawn for tied configs too (:func:`write_gguf` skips it there)."""
     rng = np.random.default_rng(seed)
-    c, dh = config, config.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-              "model.norm.weight": (c.hidden_size,), "lm_head.weight": (c.vocab_size, c.hidden_size)}
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-            p + "self_attn.q_proj.weight": (c.num_heads * dh, c.hidden_size),
-            p + "self_attn.k_proj.weight": (c.num_kv_heads * dh, c.hidden_size),
-            p + "self_attn.v_proj.weight": (c.num_kv_heads * dh, c.hidden_size),
-            p + "self_attn.o_proj.weight": (c.hidden_size, c.num_heads * dh),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)})
-    return {k: (0.2 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+    untied = dataclasses.replace(config, tie_word_embeddings=False)
+    return {hf_name(name): (0.2 * rng.standard_normal(shape)).astype(np.float32)
+            for name, shape in checkpoint_shapes(untied).items()}
 
 
 def llama3_rope_factors(config: models.LlamaConfig) -> np.ndarray:

@@ -122,9 +122,9 @@ def test_paged_equals_dense_equals_full_forward(lm, prompts):
 
 def test_exhaustion_queues_and_preempts(lm, prompts):
     """A pool far too small for the batch still finishes everything, same tokens."""
-    roomy, _ = run_engine(lm, prompts[:6], max_new_tokens=40, max_seqs=6, page_size=8)
+    roomy, _ = run_engine(lm, prompts[:6], max_new_tokens=24, max_seqs=6, page_size=8)
     # 6 rows but pages for ~2 sequences: admission queues, decode growth forces preemption.
-    tight, engine = run_engine(lm, prompts[:6], max_new_tokens=40, max_seqs=6, page_size=8,
+    tight, engine = run_engine(lm, prompts[:6], max_new_tokens=24, max_seqs=6, page_size=8,
                                num_pages=24)
     assert [r.token_ids for r in tight] == [r.token_ids for r in roomy]
     assert engine.num_preemptions > 0
@@ -184,10 +184,8 @@ def test_seeded_sampling_is_reproducible_and_cache_independent(lm, prompts):
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert [r.token_ids for r in a] == [r.token_ids for r in alone]
     assert a[0].token_ids != paxkv.generate(lm, prompts[:1], **{**kw, "seed": 8})[0].token_ids
-    greedy = paxkv.generate(lm, prompts[:3], max_new_tokens=12, top_k=1, temperature=1.0,
-                            max_seqs=4, stop_token_ids=[])
-    plain = paxkv.generate(lm, prompts[:3], max_new_tokens=12, max_seqs=4, stop_token_ids=[])
-    assert [r.token_ids for r in greedy] == [r.token_ids for r in plain]
+    # The sampling rules themselves (top-k of 1 is greedy, draws stay in top-k / top-p) are
+    # checked on synthetic logits in tests/test_sampling.py.
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -212,8 +210,10 @@ def test_bad_input_gets_a_clear_error(lm, kwargs, match):
 
 
 def test_eager_equals_jitted(lm, prompts):
-    """The same engine run with every jit disabled gives the same tokens."""
-    jitted, _ = run_engine(lm, prompts[:2], max_new_tokens=3, max_seqs=2, page_size=16)
+    """The same engine run with every jit disabled gives the same tokens: a prefill and a
+    decode step, on the two shortest prompts (eager, each op of 30 layers dispatches alone)."""
+    short = [prompts[6], prompts[5]]
+    jitted, _ = run_engine(lm, short, max_new_tokens=2, max_seqs=2, page_size=16)
     with jax.disable_jit():
-        eager, _ = run_engine(lm, prompts[:2], max_new_tokens=3, max_seqs=2, page_size=16)
+        eager, _ = run_engine(lm, short, max_new_tokens=2, max_seqs=2, page_size=16)
     assert [r.token_ids for r in eager] == [r.token_ids for r in jitted]
