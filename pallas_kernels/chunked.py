@@ -168,10 +168,7 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     slot = jnp.arange(chunk_pages)[:, None] * page_size + jnp.arange(page_size)[None]  # [c, s]
 
     def pages_of(pool: jax.Array, pages: jax.Array) -> jax.Array:
-        # Block-table entries and the layer are in range by construction; without the
-        # negative-index wrap, the gather's index per element is one load.
-        at = pool.at[pages] if layer is None else pool.at[layer, pages]
-        return at.get(mode="promise_in_bounds", wrap_negative_indices=False)
+        return read_in_range(pool, pages) if layer is None else read_in_range(pool, layer, pages)
 
     def tile(args: tuple[jax.Array, ...]) -> Partial:
         row, first, valid = args  # [T]
@@ -205,6 +202,13 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return Partial(row_max,
                    jax.ops.segment_sum(scale * parts.sum, **seg)[:batch],
                    jax.ops.segment_sum(scale[..., None] * parts.out, **seg)[:batch])
+
+
+def read_in_range(x: jax.Array, *index: jax.Array | slice) -> jax.Array:
+    """``x[index]`` for indices in range by construction (block-table entries, the layer, a
+    dense row): without the clamp and the negative-index wrap, a gather's index per element
+    is one load. Both decode paths (paged chunks, dense row groups) read their keys this way."""
+    return x.at[index].get(mode="promise_in_bounds", wrap_negative_indices=False)
 
 
 def keys_partial(q: jax.Array, k_t: jax.Array, v: jax.Array, live: jax.Array, *,

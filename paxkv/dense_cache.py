@@ -163,8 +163,7 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                 & (positions >= 0))  # [group, window]
 
         def read(kv: jax.Array) -> jax.Array:  # [group, kv_heads, window, d]
-            return kv.at[layer, rows_g, :, :window].get(mode="promise_in_bounds",
-                                                        wrap_negative_indices=False)
+            return chunked.read_in_range(kv, layer, rows_g, slice(None), slice(None, window))
 
         parts = chunked.keys_partial(q_g.reshape(group, kv_heads, -1, head_dim),
                                      read(k_all).swapaxes(-1, -2), read(v_all), live,
