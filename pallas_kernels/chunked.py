@@ -164,7 +164,6 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"num_chunks ({num_chunks}) must be a multiple of tile_chunks "
                          f"({tile_chunks})")
     q_grouped = q.reshape(batch, num_kv_heads, group, head_dim)
-    width = block_tables.shape[1]
     slot = jnp.arange(chunk_pages)[:, None] * page_size + jnp.arange(page_size)[None]  # [c, s]
 
     def pages_of(pool: jax.Array, pages: jax.Array) -> jax.Array:
@@ -172,11 +171,7 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     def tile(args: tuple[jax.Array, ...]) -> Partial:
         row, first, valid = args  # [T]
-        cols = first[:, None] + jnp.arange(chunk_pages)[None]  # [T, c]
-        pages = jnp.take_along_axis(block_tables[row], jnp.minimum(cols, width - 1), axis=1)
-        # Materialise the tile's page ids: fused into the K/V copies, their arithmetic would
-        # run once per copied element.
-        pages = lax.optimization_barrier(pages)
+        pages = tile_pages(block_tables, row, first, chunk_pages)
         key_pos = first[:, None, None] * page_size + slot[None]  # [T, c, s]
         key_live = (key_pos < lengths[row][:, None, None]) & valid[:, None, None]
 
@@ -202,6 +197,16 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return Partial(row_max,
                    jax.ops.segment_sum(scale * parts.sum, **seg)[:batch],
                    jax.ops.segment_sum(scale[..., None] * parts.out, **seg)[:batch])
+
+
+def tile_pages(block_tables: jax.Array, row: jax.Array, first: jax.Array,
+               chunk_pages: int) -> jax.Array:
+    """The page ids of a tile's chunks: int32 ``[T, chunk_pages]`` from ``block_tables``
+    ``[b, width]`` and the chunks' rows and first columns (``[T]`` each; columns past the
+    window read its last entry, behind the row's length). Materialised: fused into the K/V
+    copies, their arithmetic would run once per copied element."""
+    cols = jnp.minimum(first[:, None] + jnp.arange(chunk_pages)[None], block_tables.shape[1] - 1)
+    return lax.optimization_barrier(jnp.take_along_axis(block_tables[row], cols, axis=1))
 
 
 def read_in_range(x: jax.Array, *index: jax.Array | slice) -> jax.Array:

@@ -177,7 +177,7 @@ def attend_shared_pages(
       (sum of ``exp(score - max)``) and ``[n, kv, group, head_dim]`` (sum of
       ``exp(score - max) * value``) -- :class:`pallas_kernels.chunked.Partial`'s fields.
     """
-    prefix_pages, num_kv_heads, page_size, head_dim = k_prefix.shape
+    _, num_kv_heads, _, head_dim = k_prefix.shape
     f32 = jnp.float32
 
     def keys(pages: jax.Array) -> jax.Array:  # [n, k, s, d] -> [k, n * s, d]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import models
-from experiments import accounting, cancel, capacity, plots, short
+from experiments import accounting, cancel, capacity, plots, read_floor, short
 from models.config import LlamaConfig
 from models.llama import Llama
 from paxkv.full_attention import NoCache
@@ -137,3 +137,27 @@ def test_cancel_in_engine_and_forks_spare_the_others():
                            cancel_at={1: 2, 2: 0})
     assert fork["all_freed_in_same_call"] and fork["survivors_identical"]
     assert fork["pages_leaked"] == 0 and any(fork["page_map"]["shared"])
+
+
+def test_read_floor_variants_read_every_page_once():
+    """The floor's variants read what attention reads: summed, the gathered and the sliced
+    K/V both equal the pool's live pages; attention equals the per-row reference."""
+    from pallas_kernels.reference import paged_decode_attention_reference
+
+    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    batch, context = 4, 64  # 4 pages a row, 16 in all, scattered; a list with no padding
+    rng = np.random.default_rng(0)
+    shape = (2, 17, 2, read_floor.PAGE_SIZE, 8)
+    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((batch, 4, 8)), jnp.float32)
+    block_tables = jnp.asarray(rng.permutation(16).reshape(batch, 4).astype(np.int32))
+    lengths = jnp.full((batch,), context, jnp.int32)
+    fns = read_floor.variants(cfg, batch, context)
+    got = {name: float(f(q, k, v, block_tables, lengths)) for name, f in fns.items()}
+    live = float(jnp.sum(k[:, :16]) + jnp.sum(v[:, :16]))
+    assert got["gather"] == pytest.approx(live, rel=1e-5)
+    assert got["slice"] == pytest.approx(live, rel=1e-5)
+    want = sum(float(jnp.sum(paged_decode_attention_reference(q, k[i], v[i], block_tables,
+                                                               lengths))) for i in range(2))
+    assert got["attention"] == pytest.approx(want, rel=1e-4)

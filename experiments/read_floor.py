@@ -1,0 +1,177 @@
+"""How much of paged decode attention is the read of K/V itself (CPU, XLA path).
+
+At one (batch, context) with the default model's attention shape (SmolLM2-135M: 30 layers,
+9 query heads over 3 kv heads of 64, page 16), one float32 pool of random K/V whose pages
+are scattered (a random permutation, as after churn), and three jitted functions over it, each
+a scan over the layers as in the model's step, timed alternately in one process:
+
+* **attention**: the XLA decode path (``chunked.paged_decode_attention_chunked`` with the
+  cache's chunk and tile sizes): what a decode step's attention runs, minus the K/V write;
+* **gather**: the same work list and tiles, each tile only gathering its K and V pages and
+  summing them: the read as the tiles do it, without the products;
+* **slice**: each layer's K and V read by contiguous slices of the pool and summed: the read
+  with no gather at all (pages in order, so not a paged layout's cost).
+
+The decode sweep (``python -m experiments.decode``) measures the step without attention at
+the same cell; attention cannot fall below ``gather`` without reading fewer bytes.
+
+Usage::
+
+    python -m experiments.read_floor                        # batch 64, context 512 (~1 min)
+    python -m experiments.read_floor --batch 32 --context 2048 --repeats 21
+
+Writes ``results/read_floor.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import models
+from experiments.common import print_table, record, write_json
+from models.config import LlamaConfig
+from models.gguf_loader import config_from_gguf, open_gguf
+from pallas_kernels import chunked
+from paxkv import paged_cache
+
+PAGE_SIZE = 16
+
+
+def default_config() -> LlamaConfig:
+    """The default model's config, read from its GGUF header (no weights loaded)."""
+    path = models.default_model_path()
+    return config_from_gguf(open_gguf(path), path)
+
+
+def _slice_pages(num_pages: int) -> int:
+    """Pages per contiguous slice: a full tile's worth (the tiles' copy size), or all."""
+    return min(num_pages, paged_cache.TILE_CHUNKS * max(1, paged_cache.CHUNK_TOKENS // PAGE_SIZE))
+
+
+def variants(config: LlamaConfig, batch: int, context: int
+             ) -> dict[str, Callable[..., jax.Array]]:
+    """name -> jitted ``f(q, k, v, block_tables, lengths)`` over every layer of the pool."""
+    c = config
+    width = context // PAGE_SIZE
+    chunk_pages = min(width, max(1, paged_cache.CHUNK_TOKENS // PAGE_SIZE))  # as the cache
+    needed = int(chunked.chunks_needed(np.full(batch, context), start_page=0,
+                                       page_size=PAGE_SIZE, chunk_pages=chunk_pages).sum())
+    num_chunks, tile_chunks = chunked.list_shape(needed, paged_cache.TILE_CHUNKS)
+
+    def over_layers(one_layer: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+        def run(q, k, v, block_tables, lengths):
+            def body(acc, layer):
+                return acc + one_layer(layer, q, k, v, block_tables, lengths), None
+            return lax.scan(body, jnp.zeros(()), jnp.arange(c.num_layers))[0]
+        return jax.jit(run)
+
+    def attention(layer, q, k, v, block_tables, lengths):
+        out = chunked.paged_decode_attention_chunked(
+            q, k, v, block_tables, lengths, num_chunks=num_chunks, chunk_pages=chunk_pages,
+            tile_chunks=tile_chunks, layer=layer)
+        return jnp.sum(out)
+
+    def gather(layer, q, k, v, block_tables, lengths):
+        work = chunked.chunk_work(lengths, lengths > 0, start_page=0, page_size=PAGE_SIZE,
+                                  chunk_pages=chunk_pages, num_chunks=num_chunks)
+
+        def tile(args):
+            row, first = args
+            pages = chunked.tile_pages(block_tables, row, first, chunk_pages)
+            return (jnp.sum(chunked.read_in_range(k, layer, pages))
+                    + jnp.sum(chunked.read_in_range(v, layer, pages)))
+
+        split = lambda x: x.reshape(-1, tile_chunks)  # noqa: E731
+        return jnp.sum(lax.map(tile, (split(work.row), split(work.first_page))))
+
+    def slice_(layer, q, k, v, block_tables, lengths):
+        pages = _slice_pages(batch * width)
+        tiles = batch * width // pages
+
+        def tile(i):
+            at = (layer, i * pages, 0, 0, 0)
+            size = (1, pages) + k.shape[2:]
+            return (jnp.sum(lax.dynamic_slice(k, at, size))
+                    + jnp.sum(lax.dynamic_slice(v, at, size)))
+
+        return jnp.sum(lax.map(tile, jnp.arange(tiles)))
+
+    return dict(attention=over_layers(attention), gather=over_layers(gather),
+                slice=over_layers(slice_))
+
+
+def run(config: LlamaConfig, batch: int, context: int, repeats: int, *,
+        scattered: bool = True, seed: int = 0) -> dict[str, Any]:
+    """Times every variant alternately; medians in ms and the K/V read rate. ``scattered``:
+    rows' pages are a random permutation of the pool (else each row's pages in order, as in
+    the decode sweep's filled caches)."""
+    if context % PAGE_SIZE:
+        raise ValueError(f"context must be a multiple of the page size {PAGE_SIZE}, "
+                         f"got {context}")
+    c = config
+    width = context // PAGE_SIZE
+    num_pages = batch * width
+    key = jax.random.PRNGKey(seed)
+    shape = (c.num_layers, num_pages + 1, c.num_kv_heads, PAGE_SIZE, c.head_dim)
+    k = jax.random.normal(jax.random.fold_in(key, 0), shape, jnp.float32)
+    v = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (batch, c.num_heads, c.head_dim))
+    order = (np.random.default_rng(seed).permutation(num_pages) if scattered
+             else np.arange(num_pages)).astype(np.int32)
+    block_tables = jnp.asarray(order.reshape(batch, width))
+    lengths = jnp.full((batch,), context, jnp.int32)
+    args = (q, k, v, block_tables, lengths)
+    fns = variants(c, batch, context)
+    for f in fns.values():  # compile
+        jax.block_until_ready(f(*args))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[name].append(time.perf_counter() - start)
+    kv_bytes = 2 * c.num_layers * num_pages * c.num_kv_heads * PAGE_SIZE * c.head_dim * 4
+    per_slice = _slice_pages(num_pages)
+    read = dict(attention=kv_bytes, gather=kv_bytes,  # slice: whole slices only
+                slice=kv_bytes * (num_pages // per_slice * per_slice) // num_pages)
+    rows = {}
+    for name, ts in times.items():
+        ms = 1e3 * statistics.median(ts)
+        rows[name] = dict(median_ms=ms, times_ms=[1e3 * t for t in ts],
+                          gb_per_s=read[name] / ms / 1e6, bytes_read=read[name])
+    return dict(batch=batch, context=context, num_layers=c.num_layers,
+                kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=PAGE_SIZE,
+                kv_mib=kv_bytes / 2**20, pages="scattered" if scattered else "in order",
+                variants=rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=11, help="timed calls per variant (median)")
+    ap.add_argument("--in-order", action="store_true",
+                    help="each row's pages in order (as the decode sweep fills them)")
+    args = ap.parse_args(argv)
+    result = run(default_config(), args.batch, args.context, args.repeats,
+                 scattered=not args.in_order)
+    v = result["variants"]
+    print(f"batch {args.batch} x context {args.context}: {result['kv_mib']:.0f} MiB of float32 "
+          f"K/V over {result['num_layers']} layers, pages {result['pages']}\n")
+    print_table(["variant", "median ms", "GB/s of K/V", "x attention"],
+                [[name, f"{r['median_ms']:.1f}", f"{r['gb_per_s']:.1f}",
+                  f"{r['median_ms'] / v['attention']['median_ms']:.2f}"]
+                 for name, r in v.items()])
+    write_json("read_floor", record(vars(args), result))
+
+
+if __name__ == "__main__":
+    main()
