@@ -19,6 +19,7 @@ Usage::
 
     python -m experiments.read_floor                        # batch 64, context 512 (~1 min)
     python -m experiments.read_floor --batch 32 --context 2048 --repeats 21
+    python -m experiments.read_floor --in-order --quick      # rows' pages in order; smoke
 
 Writes ``results/read_floor.json`` and prints a table.
 """
@@ -160,7 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=11, help="timed calls per variant (median)")
     ap.add_argument("--in-order", action="store_true",
                     help="each row's pages in order (as the decode sweep fills them)")
+    ap.add_argument("--quick", action="store_true", help="batch 8 x 128, 3 calls: a smoke run")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.batch, args.context, args.repeats = 8, 128, 3
     result = run(default_config(), args.batch, args.context, args.repeats,
                  scattered=not args.in_order)
     v = result["variants"]
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                 [[name, f"{r['median_ms']:.1f}", f"{r['gb_per_s']:.1f}",
                   f"{r['median_ms'] / v['attention']['median_ms']:.2f}"]
                  for name, r in v.items()])
-    write_json("read_floor", record(vars(args), result))
+    write_json("read_floor_quick" if args.quick else "read_floor", record(vars(args), result))
 
 
 if __name__ == "__main__":
