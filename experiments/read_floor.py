@@ -54,12 +54,19 @@ def default_config() -> LlamaConfig:
 
 def _slice_pages(num_pages: int) -> int:
     """Pages per contiguous slice: a full tile's worth (the tiles' copy size), or all."""
-    return min(num_pages, paged_cache.TILE_CHUNKS * max(1, paged_cache.CHUNK_TOKENS // PAGE_SIZE))
+    per_tile = paged_cache.TILE_CHUNKS * max(1, paged_cache.CHUNK_TOKENS // PAGE_SIZE)
+    return min(num_pages, per_tile)
 
 
 def variants(config: LlamaConfig, batch: int, context: int
              ) -> dict[str, Callable[..., jax.Array]]:
-    """name -> jitted ``f(q, k, v, block_tables, lengths)`` over every layer of the pool."""
+    """name -> jitted ``f(q, k, v, block_tables, lengths)`` -> float32 scalar (a sum, so
+    nothing is dropped as unused), over every layer of the pool.
+
+    Shapes: q ``[batch, num_heads, head_dim]``; k, v ``[num_layers, pages + 1, kv_heads,
+    PAGE_SIZE, head_dim]`` (the last page the sentinel); block_tables int32 ``[batch,
+    context // PAGE_SIZE]``; lengths int32 ``[batch]``.
+    """
     c = config
     width = context // PAGE_SIZE
     chunk_pages = min(width, max(1, paged_cache.CHUNK_TOKENS // PAGE_SIZE))  # as the cache
@@ -68,24 +75,27 @@ def variants(config: LlamaConfig, batch: int, context: int
     num_chunks, tile_chunks = chunked.list_shape(needed, paged_cache.TILE_CHUNKS)
 
     def over_layers(one_layer: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-        def run(q, k, v, block_tables, lengths):
-            def body(acc, layer):
+        def run(q: jax.Array, k: jax.Array, v: jax.Array, block_tables: jax.Array,
+                lengths: jax.Array) -> jax.Array:
+            def body(acc: jax.Array, layer: jax.Array) -> tuple[jax.Array, None]:
                 return acc + one_layer(layer, q, k, v, block_tables, lengths), None
             return lax.scan(body, jnp.zeros(()), jnp.arange(c.num_layers))[0]
         return jax.jit(run)
 
-    def attention(layer, q, k, v, block_tables, lengths):
+    def attention(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                  block_tables: jax.Array, lengths: jax.Array) -> jax.Array:
         out = chunked.paged_decode_attention_chunked(
             q, k, v, block_tables, lengths, num_chunks=num_chunks, chunk_pages=chunk_pages,
             tile_chunks=tile_chunks, layer=layer)
         return jnp.sum(out)
 
-    def gather(layer, q, k, v, block_tables, lengths):
+    def gather(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               block_tables: jax.Array, lengths: jax.Array) -> jax.Array:
         work = chunked.chunk_work(lengths, lengths > 0, start_page=0, page_size=PAGE_SIZE,
                                   chunk_pages=chunk_pages, num_chunks=num_chunks)
 
-        def tile(args):
-            row, first = args
+        def tile(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+            row, first = args  # [tile_chunks] each
             pages = chunked.tile_pages(block_tables, row, first, chunk_pages)
             return (jnp.sum(chunked.read_in_range(k, layer, pages))
                     + jnp.sum(chunked.read_in_range(v, layer, pages)))
@@ -93,11 +103,12 @@ def variants(config: LlamaConfig, batch: int, context: int
         split = lambda x: x.reshape(-1, tile_chunks)  # noqa: E731
         return jnp.sum(lax.map(tile, (split(work.row), split(work.first_page))))
 
-    def slice_(layer, q, k, v, block_tables, lengths):
+    def slice_(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               block_tables: jax.Array, lengths: jax.Array) -> jax.Array:
         pages = _slice_pages(batch * width)
         tiles = batch * width // pages
 
-        def tile(i):
+        def tile(i: jax.Array) -> jax.Array:
             at = (layer, i * pages, 0, 0, 0)
             size = (1, pages) + k.shape[2:]
             return (jnp.sum(lax.dynamic_slice(k, at, size))
