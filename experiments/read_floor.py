@@ -52,9 +52,9 @@ def default_config() -> LlamaConfig:
     return config_from_gguf(open_gguf(path), path)
 
 
-def _slice_pages(num_pages: int) -> int:
+def _slice_pages(num_pages: int, width: int) -> int:
     """Pages per contiguous slice: a full tile's worth (the tiles' copy size), or all."""
-    per_tile = paged_cache.TILE_CHUNKS * max(1, paged_cache.CHUNK_TOKENS // PAGE_SIZE)
+    per_tile = paged_cache.TILE_CHUNKS * paged_cache.decode_chunk_pages(width, PAGE_SIZE)
     return min(num_pages, per_tile)
 
 
@@ -69,7 +69,7 @@ def variants(config: LlamaConfig, batch: int, context: int
     """
     c = config
     width = context // PAGE_SIZE
-    chunk_pages = min(width, max(1, paged_cache.CHUNK_TOKENS // PAGE_SIZE))  # as the cache
+    chunk_pages = paged_cache.decode_chunk_pages(width, PAGE_SIZE)  # as the cache
     needed = int(chunked.chunks_needed(np.full(batch, context), start_page=0,
                                        page_size=PAGE_SIZE, chunk_pages=chunk_pages).sum())
     num_chunks, tile_chunks = chunked.list_shape(needed, paged_cache.TILE_CHUNKS)
@@ -105,7 +105,7 @@ def variants(config: LlamaConfig, batch: int, context: int
 
     def slice_(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                block_tables: jax.Array, lengths: jax.Array) -> jax.Array:
-        pages = _slice_pages(batch * width)
+        pages = _slice_pages(batch * width, width)
         tiles = batch * width // pages
 
         def tile(i: jax.Array) -> jax.Array:
@@ -151,7 +151,7 @@ def run(config: LlamaConfig, batch: int, context: int, repeats: int, *,
             jax.block_until_ready(f(*args))
             times[name].append(time.perf_counter() - start)
     kv_bytes = 2 * c.num_layers * num_pages * c.num_kv_heads * PAGE_SIZE * c.head_dim * 4
-    per_slice = _slice_pages(num_pages)
+    per_slice = _slice_pages(num_pages, width)
     read = dict(attention=kv_bytes, gather=kv_bytes,  # slice: whole slices only
                 slice=kv_bytes * (num_pages // per_slice * per_slice) // num_pages)
     rows = {}

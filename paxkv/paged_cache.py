@@ -202,6 +202,13 @@ CHUNK_TOKENS = 128
 TILE_CHUNKS = 32
 
 
+def decode_chunk_pages(width: int, page_size: int) -> int:
+    """Pages per chunk of the XLA decode path over a ``width``-page window:
+    :attr:`PagedCache.chunk_pages`, or the whole window when it is shorter (a chunk never reads
+    past the window; either way a row within the window is one chunk, so a hint stays valid)."""
+    return min(width, max(1, CHUNK_TOKENS // page_size))
+
+
 def _xla_decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
                 step: StepInfo, prefix_pages: int, decode_chunks: int | None,
                 page_size: int) -> jax.Array:
@@ -213,9 +220,7 @@ def _xla_decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
     the list covers every row's whole window from its first page (always enough)."""
     batch, width = block_tables.shape
     sm_scale = default_sm_scale(q.shape[-1], None)
-    # PagedCache.chunk_pages, or the whole window when it is shorter (a chunk never reads past
-    # the window; either way a row within the window is one chunk, so a hint stays valid).
-    chunk_pages = min(width, max(1, CHUNK_TOKENS // page_size))
+    chunk_pages = decode_chunk_pages(width, page_size)
     live = step.query_lengths > 0
     cascade = 0 < prefix_pages < width
     start = prefix_pages if cascade else 0
