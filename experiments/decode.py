@@ -152,7 +152,7 @@ def kv_bytes(lm, batch: int, context: int) -> int:
     return 2 * c.num_layers * batch * c.num_kv_heads * context * c.head_dim * 4
 
 
-def _timed_step(lm, cache, tokens):
+def timed_step(lm, cache, tokens):
     """One donated ``steps.decode_step`` on every row; (seconds, cache, next tokens)."""
     live = jnp.ones(tokens.shape, bool)
     start = time.perf_counter()
@@ -164,9 +164,9 @@ def _timed_step(lm, cache, tokens):
     return seconds, cache, nxt
 
 
-def _timed_no_attention(lm, cache, tokens):
+def timed_no_attention(lm, cache, tokens):
     """The same step through :class:`NoAttention` wrapping ``cache``; (seconds, cache)."""
-    seconds, wrapped, _ = _timed_step(lm, NoAttention(cache), tokens)
+    seconds, wrapped, _ = timed_step(lm, NoAttention(cache), tokens)
     return seconds, wrapped.inner  # NOTE: keep no wrapper alive: it would pin the buffers
 
 
@@ -230,10 +230,10 @@ def sweep_cell(lm, batch: int, context: int, args) -> dict[str, Any]:
         tokens = dict.fromkeys(group, first)
         for _ in range(rounds):
             for kind in group:
-                t, caches[kind], tokens[kind] = _timed_step(lm, caches[kind], tokens[kind])
+                t, caches[kind], tokens[kind] = timed_step(lm, caches[kind], tokens[kind])
                 times[kind, "full"].append(t)
                 sampled[kind].append(np.asarray(tokens[kind]))
-                t, caches[kind] = _timed_no_attention(lm, caches[kind], tokens[kind])
+                t, caches[kind] = timed_no_attention(lm, caches[kind], tokens[kind])
                 times[kind, "no_attention"].append(t)
         del caches, tokens  # every step donated its input; drop the last caches now
     row: dict[str, Any] = dict(batch=batch, context=context, window=context, filled=filled,

@@ -141,7 +141,8 @@ def test_cancel_in_engine_and_forks_spare_the_others():
 
 def test_read_floor_variants_read_every_page_once():
     """The floor's variants read what attention reads: summed, the gathered and the sliced
-    K/V both equal the pool's live pages; attention equals the per-row reference."""
+    K/V both equal the pool's live pages; attention, and the unpaged ceiling over the same
+    K/V laid out contiguously (keys transposed or not), equal the per-row reference."""
     from pallas_kernels.reference import paged_decode_attention_reference
 
     cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=2,
@@ -161,3 +162,12 @@ def test_read_floor_variants_read_every_page_once():
     want = sum(float(jnp.sum(paged_decode_attention_reference(q, k[i], v[i], block_tables,
                                                                lengths))) for i in range(2))
     assert got["attention"] == pytest.approx(want, rel=1e-4)
+    for transposed in (False, True):  # the unpaged ceiling computes the same attention
+        ks, vs = read_floor.unpaged_layers(k, v, block_tables, keys_transposed=transposed)
+        assert ks[1].shape == ((batch, 2, 8, context) if transposed else (batch, 2, context, 8))
+        got_unpaged = float(read_floor.unpaged_variant(transposed)(q, ks, vs))
+        assert got_unpaged == pytest.approx(want, rel=1e-4)
+    result = read_floor.run(cfg, batch, context, repeats=1, with_step=False)
+    assert result["attention_outputs_agree"] and result["rest_of_step_ms"] is None
+    assert set(result["variants"]) == {"attention", "gather", "slice", "unpaged",
+                                       "unpaged, K transposed"}
