@@ -175,14 +175,19 @@ def unpaged_variant(keys_transposed: bool) -> Callable[..., jax.Array]:
     return jax.jit(run)
 
 
-def rest_of_step(batch: int, context: int, steps: int) -> Callable[[], float]:
+def rest_of_step(config: LlamaConfig, batch: int, context: int,
+                 steps: int) -> Callable[[], float]:
     """A timer of the default model's decode step without attention (the sweep's
     ``NoAttention`` step, XLA path) on a paged cache of ``batch`` rows holding about
     ``context`` tokens; each call runs one donated step and returns its seconds. Room for
-    ``steps`` calls (each reserves a token)."""
+    ``steps`` calls (each reserves a token). ``config`` must be the default model's (the
+    variants' attention shape)."""
     from experiments import decode  # the model and the sweep's step: only with the step
 
     lm = models.load()
+    if lm.config != config:
+        raise ValueError("the step without attention is the default model's: run the "
+                         "variants with its config (default_config()) or with_step=False")
     state = dict(cache=decode.filled_cache(lm, "paged", batch, context, context - steps),
                  tokens=jnp.zeros((batch,), jnp.int32))
 
@@ -220,7 +225,7 @@ def run(config: LlamaConfig, batch: int, context: int, repeats: int, *,
         ks, vs = unpaged_layers(k, v, block_tables, keys_transposed=transposed)
         calls[name] = functools.partial(unpaged_variant(transposed), q, ks, vs)
     sums = {name: float(call()) for name, call in calls.items()}  # compiles too
-    rest = rest_of_step(batch, context, repeats + 2) if with_step else None
+    rest = rest_of_step(c, batch, context, repeats + 2) if with_step else None
     if rest is not None:
         rest()  # compile
     times: dict[str, list[float]] = {name: [] for name in calls}
