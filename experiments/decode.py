@@ -5,14 +5,16 @@
     python -m experiments.decode --only sweep        # one part: sweep | offline | reserve
     python -m experiments.decode --only offline --max-seqs 32 64   # both engine sizes (+7 min)
 
-1. **sweep**: ``steps.decode_step`` tokens/s through the XLA path (real model, float32) for
-   batch x context cells, paged vs dense, each cache built with the context already in it
-   (one jitted reserve, K/V filled with hashed values: attention cost does not depend on them),
-   window = the context bucket the engine would pick. Each step is followed by the same step
-   through a no-op attention (:class:`NoAttention`), so attention = full - no-attention. Paged
-   and dense hold identical K/V: one step's logits must agree (per-row relative error < 1e-3:
-   the two sum in different orders, see :data:`LOGITS_TOLERANCE`), and every step's sampled
-   tokens are compared. Peak memory ~7.5 GB (batch 64, context 2048).
+1. **sweep**: ``steps.decode_step`` tokens/s through the XLA path (real model, float32 K/V;
+   ``--kv-dtype bfloat16`` for half the bytes, stored as bits on a CPU) for batch x context
+   cells, paged vs dense, each cache built with the context already in it (one jitted
+   reserve, K/V filled with hashed values: attention cost does not depend on them), window =
+   the context bucket the engine would pick. Each step is followed by the same step through
+   a no-op attention (:class:`NoAttention`), so attention = full - no-attention. Paged and
+   dense hold identical K/V: one step's logits must agree (per-row relative error < 1e-3,
+   2e-2 for bfloat16 K/V: the two sum in different orders, see :data:`LOGITS_TOLERANCE`),
+   and every step's sampled tokens are compared. Peak memory ~7.5 GB (batch 64, context
+   2048).
 2. **offline**: 64 prompts of 64-512 tokens cut from the Python Language Reference prose that
    CPython ships (``pydoc_data.topics``), 128 greedy tokens each, EOS ignored: ``paxkv.Engine``
    (paged, continuous batching, max_seqs 32 by default: in the sweep batch 64 costs the same
@@ -48,6 +50,7 @@ import numpy as np
 import models
 from experiments.common import (english_prompts, hf_generate, peak_rss_mib, print_table, record,
                                 reset_peak_rss, run_worker, token_agreement, write_json)
+from pallas_kernels import kv_storage
 from paxkv import dense_cache, page_table as pt, paged_cache, pool as kv_pool, steps
 from paxkv.step_info import StepInfo
 
@@ -117,10 +120,14 @@ def _reserve(cache, num_new, *, max_new):
 _table_reserve = jax.jit(pt.reserve, static_argnames=("max_new",), donate_argnums=(0,))
 
 
-def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int = 0):
+def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int = 0,
+                 kv_dtype: Any = jnp.float32):
     """A ``kind`` cache of ``batch`` rows, window ``context`` tokens, each row holding ``filled``
-    tokens (one jitted reserve) of hashed K/V (``salt`` changes the values)."""
+    tokens (one jitted reserve) of hashed K/V (``salt`` changes the values), stored as a
+    ``kv_dtype`` cache stores them (bfloat16 on a CPU: its bits)."""
     c = lm.config
+    storage = kv_storage.storage_dtype(kv_dtype)
+    stored = functools.partial(kv_storage.to_storage, storage=storage)
     num_new = jnp.full((batch,), filled, jnp.int32)
     if kind == "paged":
         row_pages = -(-context // PAGE_SIZE)
@@ -134,11 +141,12 @@ def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int
         page_row[bt], page_block[bt] = np.arange(batch)[:, None], np.arange(row_pages)[None, :]
         page_row[-1] = -1  # the sentinel: table padding points here
         shape = (c.num_layers, table.num_pages + 1, c.num_kv_heads, PAGE_SIZE, c.head_dim)
-        k, v = (_hashed(shape, 2 * salt + i, num_new[0], page_row, page_block) for i in (0, 1))
+        k, v = (stored(_hashed(shape, 2 * salt + i, num_new[0], page_row, page_block))
+                for i in (0, 1))
         cache = paged_cache.PagedCache(pool=kv_pool.KVPool(k=k, v=v), table=table, scrub=True)
     else:
         shape = (c.num_layers, batch, c.num_kv_heads, context, c.head_dim)
-        k, v = (_hashed(shape, 2 * salt + i, num_new[0]) for i in (0, 1))
+        k, v = (stored(_hashed(shape, 2 * salt + i, num_new[0])) for i in (0, 1))
         cache = dense_cache.DenseCache(k=k, v=v,
                                        lengths=jnp.zeros((batch,), jnp.int32),
                                        active=jnp.zeros((batch,), bool))
@@ -147,9 +155,10 @@ def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int
     return cache.with_window(context)
 
 
-def kv_bytes(lm, batch: int, context: int) -> int:
+def kv_bytes(lm, batch: int, context: int, kv_dtype: Any = jnp.float32) -> int:
     c = lm.config
-    return 2 * c.num_layers * batch * c.num_kv_heads * context * c.head_dim * 4
+    return (2 * c.num_layers * batch * c.num_kv_heads * context * c.head_dim
+            * jnp.dtype(kv_dtype).itemsize)
 
 
 def timed_step(lm, cache, tokens):
@@ -182,29 +191,33 @@ def step_logits(forward, params, cache, tokens, attention_impl="xla"):
 # (pallas_kernels/chunked.py); dense sums them in one softmax. On this synthetic K/V the two
 # float32 orders differ by ~1.3e-4 per logits row after 30 layers (one layer: 1.6e-6 vs 8e-7
 # from a float64 softmax), while a wrong answer (the control: other K/V) differs by ~0.4.
-LOGITS_TOLERANCE = 1e-3
+# With bfloat16 K/V each layer rounds the step's new K/V to bfloat16, and a difference of
+# 1e-7 upstream can round a value one bfloat16 step (0.4%) apart: paged vs dense 4.1e-3 on
+# this K/V at batch 8 x 512 (the control: 0.4 still).
+LOGITS_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2}
 
 
-def logits_check(lm, batch: int, context: int) -> dict[str, Any]:
+def logits_check(lm, batch: int, context: int, kv_dtype: Any = jnp.float32) -> dict[str, Any]:
     """One decode step on identical K/V through both caches: per-row relative logit error
-    (within :data:`LOGITS_TOLERANCE`). A control run on different K/V shows the check can
-    fail."""
+    (within :data:`LOGITS_TOLERANCE` of ``kv_dtype``). A control run on different K/V shows
+    the check can fail."""
+    tolerance = LOGITS_TOLERANCE[jnp.dtype(kv_dtype).name]
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, lm.config.vocab_size, batch),
                          jnp.int32)
     logits = {}
     for name, kind, salt in (("paged", "paged", 0), ("dense", "dense", 0),
                              ("control", "paged", 1)):
-        cache = filled_cache(lm, kind, batch, context, context - 1, salt)
+        cache = filled_cache(lm, kind, batch, context, context - 1, salt, kv_dtype)
         logits[name] = np.asarray(step_logits(lm.forward, lm.params, cache, tokens))
         del cache
     d = logits["dense"]
     rel = lambda x: np.linalg.norm(x - d, axis=1) / np.linalg.norm(d, axis=1)  # noqa: E731
     err = float(rel(logits["paged"]).max())
     return dict(batch=batch, context=context, max_row_rel_error=err,
-                tolerance=LOGITS_TOLERANCE,
+                tolerance=tolerance,
                 control_min_row_rel_error=float(rel(logits["control"]).min()),
                 argmax_equal=bool((logits["paged"].argmax(1) == d.argmax(1)).all()),
-                passed=bool(err < LOGITS_TOLERANCE and np.isfinite(logits["paged"]).all()))
+                passed=bool(err < tolerance and np.isfinite(logits["paged"]).all()))
 
 
 def sweep_cell(lm, batch: int, context: int, args) -> dict[str, Any]:
@@ -219,14 +232,15 @@ def sweep_cell(lm, batch: int, context: int, args) -> dict[str, Any]:
     n = 2 * rounds  # steps per cache; the last ends at `context`, every bucket stays `context`
     filled = context - n
     assert filled > context // 2, "too many steps for this context: lower --repeats"
-    both = 2 * kv_bytes(lm, batch, context) <= args.interleave_gib * 2**30
+    both = 2 * kv_bytes(lm, batch, context, args.kv_dtype) <= args.interleave_gib * 2**30
     groups = [("paged", "dense")] if both else [("paged",), ("dense",)]
     first = jnp.asarray(np.random.default_rng(0).integers(0, lm.config.vocab_size, batch),
                         jnp.int32)
     times = {(k, v): [] for k in ("paged", "dense") for v in ("full", "no_attention")}
     sampled: dict[str, list[np.ndarray]] = dict(paged=[], dense=[])
     for group in groups:
-        caches = {kind: filled_cache(lm, kind, batch, context, filled) for kind in group}
+        caches = {kind: filled_cache(lm, kind, batch, context, filled, kv_dtype=args.kv_dtype)
+                  for kind in group}
         tokens = dict.fromkeys(group, first)
         for _ in range(rounds):
             for kind in group:
@@ -237,7 +251,8 @@ def sweep_cell(lm, batch: int, context: int, args) -> dict[str, Any]:
                 times[kind, "no_attention"].append(t)
         del caches, tokens  # every step donated its input; drop the last caches now
     row: dict[str, Any] = dict(batch=batch, context=context, window=context, filled=filled,
-                               interleaved=both, kv_mib=kv_bytes(lm, batch, context) / 2**20)
+                               interleaved=both, kv_dtype=jnp.dtype(args.kv_dtype).name,
+                               kv_mib=kv_bytes(lm, batch, context, args.kv_dtype) / 2**20)
     w = args.warmup
     for kind in ("paged", "dense"):
         full, bare = times[kind, "full"], times[kind, "no_attention"]
@@ -259,7 +274,7 @@ def sweep_cell(lm, batch: int, context: int, args) -> dict[str, Any]:
 
 
 def sweep(lm, args) -> dict[str, Any]:
-    check = logits_check(lm, *args.check_cell)
+    check = logits_check(lm, *args.check_cell, args.kv_dtype)
     print(f"paged vs dense logits, batch {check['batch']} context {check['context']}: max "
           f"per-row relative error {check['max_row_rel_error']:.2e} -> "
           f"{'PASS' if check['passed'] else 'FAIL'}")
@@ -477,6 +492,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--interleave-gib", type=float, default=6.0,
                     help="alternate paged and dense steps when both caches fit in this")
     ap.add_argument("--check-cell", type=int, nargs=2, metavar=("BATCH", "CONTEXT"))
+    ap.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the sweep's K/V dtype (bfloat16: half the bytes; on a CPU stored as "
+                    "bits, pallas_kernels.kv_storage)")
     ap.add_argument("--num-prompts", type=int)
     ap.add_argument("--prompt-lens", type=int, nargs=2, metavar=("MIN", "MAX"))
     ap.add_argument("--max-new", type=int)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from pallas_kernels.kv_storage import readable
 from pallas_kernels.reference import attend_blocks
 
 _NEG_INF = float("-inf")
@@ -146,7 +147,8 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q: ``[b, num_q_heads, head_dim]``: one query per row, at position ``lengths - 1``.
       k_pages, v_pages: ``[num_pages, kv_heads, page_size, head_dim]``, or a whole pool
         ``[num_layers, num_pages, ...]`` with ``layer`` (indexed inside the gather: slicing a
-        layer out first would copy it).
+        layer out first would copy it); any float dtype, or bfloat16 bits
+        (:mod:`pallas_kernels.kv_storage`).
       block_tables: int32 ``[b, pages_per_row]``.
       lengths: int32 ``[b]``.
       work: from :func:`chunk_work`; ``num_chunks`` must be a multiple of ``tile_chunks``.
@@ -167,7 +169,8 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     slot = jnp.arange(chunk_pages)[:, None] * page_size + jnp.arange(page_size)[None]  # [c, s]
 
     def pages_of(pool: jax.Array, pages: jax.Array) -> jax.Array:
-        return read_in_range(pool, pages) if layer is None else read_in_range(pool, layer, pages)
+        index = (pages,) if layer is None else (layer, pages)
+        return readable(read_in_range(pool, *index))
 
     def tile(args: tuple[jax.Array, ...]) -> Partial:
         row, first, valid = args  # [T]
@@ -325,8 +328,8 @@ def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     def read(table_row: jax.Array, pages: int) -> tuple[jax.Array, jax.Array]:
         ids = table_row[:pages]
         if layer is None:
-            return k_pages[ids][None], v_pages[ids][None]
-        return k_pages[layer, ids][None], v_pages[layer, ids][None]
+            return readable(k_pages[ids][None]), readable(v_pages[ids][None])
+        return readable(k_pages[layer, ids][None]), readable(v_pages[layer, ids][None])
 
     return query_tiles(q, q_positions, lengths, block_tables, read,
                        width=block_tables.shape[1], unit=k_pages.shape[-2], sm_scale=sm_scale)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _interpret
+from pallas_kernels.kv_storage import to_storage
 
 # ---------------------------------------------------------------- layer 1: kernel bodies
 
@@ -119,7 +120,8 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_pages, slot_offsets, *, layer=
     Args:
       k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]`` (donated), or with
         ``layer`` the whole pool ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]``.
-      k_new, v_new: ``[batch, t, num_kv_heads, head_dim]`` (cast to the pages' dtype).
+      k_new, v_new: ``[batch, t, num_kv_heads, head_dim]`` (stored in the pages' dtype:
+        :func:`pallas_kernels.kv_storage.to_storage`).
       slot_pages, slot_offsets: int32 ``[batch, t]``; every in-pool slot named at most once.
       layer: int32 scalar: the layer of a 5-D pool to write (outside the pool: nothing is
         written); None for 4-D pages.
@@ -144,7 +146,8 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_pages, slot_offsets, *, layer=
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     k_pool, v_pool = _in_place(
         _write_kernel, {"b": batch, "t": t}, f"write_kv_t{t}", interpret, k_pool, v_pool,
-        k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype), slot_pages.astype(jnp.int32),
+        to_storage(k_new, k_pages.dtype), to_storage(v_new, v_pages.dtype),
+        slot_pages.astype(jnp.int32),
         slot_offsets.astype(jnp.int32), layer_arr)
     return (k_pool[0], v_pool[0]) if layer is None else (k_pool, v_pool)
 
@@ -189,8 +192,10 @@ def write_kv_reference(k_pages, v_pages, k_new, v_new, slot_pages, slot_offsets,
     keep = ((slot_pages >= 0) & (slot_pages < num_pages)
             & (slot_offsets >= 0) & (slot_offsets < page_size))
     pages = jnp.where(keep, slot_pages, num_pages)  # NOTE: negative ids would wrap; drop them
-    k_pages = k_pages.at[pages, :, slot_offsets].set(k_new.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[pages, :, slot_offsets].set(v_new.astype(v_pages.dtype), mode="drop")
+    k_pages = k_pages.at[pages, :, slot_offsets].set(to_storage(k_new, k_pages.dtype),
+                                                     mode="drop")
+    v_pages = v_pages.at[pages, :, slot_offsets].set(to_storage(v_new, v_pages.dtype),
+                                                     mode="drop")
     return k_pages, v_pages
 
 

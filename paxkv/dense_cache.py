@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import chunked
+from pallas_kernels.kv_storage import fill_value, readable, storage_dtype, to_storage
 from pallas_kernels.reference import attend_blocks, default_sm_scale
 from paxkv.step_info import StepInfo
 
@@ -118,12 +119,12 @@ class DenseCache:
         del impl  # one implementation: no gather to accelerate
         rows = jnp.arange(self.max_seqs) if step.rows is None else step.rows
         slot = jnp.where(step.positions >= 0, step.positions, self.max_len)  # padding dropped
-        new_k = self.k.at[layer, rows[:, None], :, slot].set(k.astype(self.k.dtype), mode="drop")
-        new_v = self.v.at[layer, rows[:, None], :, slot].set(v.astype(self.v.dtype), mode="drop")
+        new_k, new_v = (x.at[layer, rows[:, None], :, slot].set(to_storage(y, x.dtype), mode="drop")
+                        for x, y in ((self.k, k), (self.v, v)))
         window = self.max_len if self.window is None else self.window
         sm_scale = default_sm_scale(q.shape[-1], None)
         if not chunked.tiles_pay():  # one wide pass (a GPU)
-            k_ctx, v_ctx = (x[layer, rows, :, :window][:, None] for x in (new_k, new_v))
+            k_ctx, v_ctx = (readable(x[layer, rows, :, :window])[:, None] for x in (new_k, new_v))
             out = attend_blocks(q, k_ctx, v_ctx, step.positions, step.lengths,
                                 sm_scale=sm_scale)
         elif q.shape[1] == 1:
@@ -133,7 +134,8 @@ class DenseCache:
 
             def read(row: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
                 at, size = (layer, row, 0, 0, 0), (1, 1, kv_heads, n, head_dim)
-                return lax.dynamic_slice(new_k, at, size), lax.dynamic_slice(new_v, at, size)
+                return (readable(lax.dynamic_slice(new_k, at, size)),
+                        readable(lax.dynamic_slice(new_v, at, size)))
 
             out = chunked.query_tiles(q, step.positions, step.lengths, rows, read, width=window,
                                       unit=1, sm_scale=sm_scale)
@@ -163,7 +165,8 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                 & (positions >= 0))  # [group, window]
 
         def read(kv: jax.Array) -> jax.Array:  # [group, kv_heads, window, d]
-            return chunked.read_in_range(kv, layer, rows_g, slice(None), slice(None, window))
+            return readable(chunked.read_in_range(kv, layer, rows_g, slice(None),
+                                                  slice(None, window)))
 
         parts = chunked.keys_partial(q_g.reshape(group, kv_heads, -1, head_dim),
                                      read(k_all).swapaxes(-1, -2), read(v_all), live,
@@ -177,10 +180,13 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,
            dtype: jnp.dtype = jnp.float32, fill: float = 0.0) -> DenseCache:
-    """An empty dense cache reserving ``max_len`` slots for each of ``max_seqs`` rows."""
+    """An empty dense cache reserving ``max_len`` slots for each of ``max_seqs`` rows, K/V in
+    ``dtype`` (stored as the paged pool stores it: :mod:`pallas_kernels.kv_storage`)."""
     if max_len < 1 or max_seqs < 1:
         raise ValueError(f"max_len and max_seqs must be >= 1, got {max_len}, {max_seqs}")
     shape = (num_layers, max_seqs, num_kv_heads, max_len, head_dim)
-    return DenseCache(k=jnp.full(shape, fill, dtype), v=jnp.full(shape, fill, dtype),
+    storage = storage_dtype(dtype)
+    value = fill_value(fill, storage)
+    return DenseCache(k=jnp.full(shape, value, storage), v=jnp.full(shape, value, storage),
                       lengths=jnp.zeros((max_seqs,), jnp.int32),
                       active=jnp.zeros((max_seqs,), bool))

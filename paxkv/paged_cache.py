@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import chunked
+from pallas_kernels.kv_storage import is_bits, readable
 from pallas_kernels.reference import (attend_blocks, attend_blocks_with_prefix,
                                      attend_shared_pages, default_sm_scale)
 from paxkv import page_table as pt
@@ -141,6 +142,11 @@ class PagedCache:
         if self.window_pages is not None:
             block_tables = block_tables[:, : self.window_pages]
         if impl == "pallas":
+            if is_bits(self.pool.k):
+                raise ValueError(
+                    "the Pallas kernels read typed pools; this pool stores bfloat16 K/V as bits "
+                    "(a CPU pool, pallas_kernels.kv_storage): use attention_impl='xla' here, or "
+                    "kv_dtype=jnp.float32 to test the kernels")
             pool, out = _pallas_attend(self.pool, layer, q, k, v, pages, offsets, block_tables,
                                        step)
         elif impl == "xla":
@@ -177,8 +183,9 @@ def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
             return chunked.attend_in_query_tiles(q, pool.k, pool.v, block_tables,
                                                  step.positions, step.lengths,
                                                  sm_scale=sm_scale, layer=layer)
-        return attend_blocks(q, pool.k[layer, block_tables], pool.v[layer, block_tables],
-                             step.positions, step.lengths, sm_scale=sm_scale)
+        return attend_blocks(q, readable(pool.k[layer, block_tables]),
+                             readable(pool.v[layer, block_tables]), step.positions,
+                             step.lengths, sm_scale=sm_scale)
 
     if not 0 < prefix_pages < block_tables.shape[1]:
         return per_row()
@@ -187,9 +194,10 @@ def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
 
     def cascade() -> jax.Array:
         rest = block_tables[:, prefix_pages:]
-        return attend_blocks_with_prefix(
-            q, pool.k[layer, shared], pool.v[layer, shared], pool.k[layer, rest],
-            pool.v[layer, rest], step.positions, step.lengths, sm_scale=sm_scale)
+        k_shared, v_shared, k_rest, v_rest = (
+            readable(x[layer, pages]) for pages in (shared, rest) for x in (pool.k, pool.v))
+        return attend_blocks_with_prefix(q, k_shared, v_shared, k_rest, v_rest,
+                                         step.positions, step.lengths, sm_scale=sm_scale)
 
     holds = _prefix_holds(block_tables, shared, live, step.positions, prefix_pages * page_size)
     return lax.cond(holds, cascade, per_row)
@@ -280,8 +288,9 @@ def _shared_partial(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, shared
     batch, num_q_heads, head_dim = q.shape
     kv_heads = pool.k.shape[2]
     q_grouped = q.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)
-    return chunked.Partial(*attend_shared_pages(q_grouped, pool.k[layer, shared],
-                                                pool.v[layer, shared], live, sm_scale=sm_scale))
+    return chunked.Partial(*attend_shared_pages(q_grouped, readable(pool.k[layer, shared]),
+                                                readable(pool.v[layer, shared]), live,
+                                                sm_scale=sm_scale))
 
 
 def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, k: jax.Array,
@@ -315,7 +324,8 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
            page_size: int, max_seqs: int, max_len: int, dtype: jnp.dtype = jnp.float32,
            scrub: bool = True, fill: float = 0.0) -> PagedCache:
     """An empty paged cache of ``num_pages`` pages of ``page_size`` tokens for ``max_seqs``
-    sequences of at most ``max_len`` tokens each."""
+    sequences of at most ``max_len`` tokens each, K/V in ``dtype`` (bfloat16 on a CPU is
+    stored as bits: :mod:`pallas_kernels.kv_storage`)."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if max_len < 1:

@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_storage
 from paxkv.page_table import PoolUpdate
 
 
@@ -43,10 +44,13 @@ class KVPool:
 
 def create(*, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int,
            head_dim: int, dtype: jnp.dtype = jnp.float32, fill: float = 0.0) -> KVPool:
-    """A pool of ``num_pages`` real pages plus the sentinel, filled with ``fill`` (tests use
-    NaN to prove no stray reads)."""
+    """A pool of ``num_pages`` real pages plus the sentinel for K/V of ``dtype``, filled with
+    ``fill`` (tests use NaN to prove no stray reads). Stored in
+    :func:`pallas_kernels.kv_storage.storage_dtype` (bfloat16 on a CPU: its bits)."""
     shape = (num_layers, num_pages + 1, num_kv_heads, page_size, head_dim)
-    return KVPool(k=jnp.full(shape, fill, dtype), v=jnp.full(shape, fill, dtype))
+    storage = kv_storage.storage_dtype(dtype)
+    value = kv_storage.fill_value(fill, storage)
+    return KVPool(k=jnp.full(shape, value, storage), v=jnp.full(shape, value, storage))
 
 
 def apply(pool: KVPool, update: PoolUpdate, *, scrub: bool = True) -> KVPool:
@@ -61,6 +65,7 @@ def apply(pool: KVPool, update: PoolUpdate, *, scrub: bool = True) -> KVPool:
     limit = pool.num_pages + 1  # ids >= limit are no-ops
 
     def scrub_pages(kv: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        # 0 is +0.0 in every storage dtype, bfloat16 bits included
         return tuple(x.at[:, update.fresh_pages].set(0, mode="drop") for x in kv)
 
     def copy_pages(kv: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -83,6 +88,6 @@ def write(pool: KVPool, layer: jax.Array, k_new: jax.Array, v_new: jax.Array,
       k_new, v_new: ``[batch, t, kv_heads, head_dim]``.
       pages, offsets: int32 ``[batch, t]`` from :func:`paxkv.page_table.slot_mapping`.
     """
-    k = pool.k.at[layer, pages, :, offsets].set(k_new.astype(pool.k.dtype))
-    v = pool.v.at[layer, pages, :, offsets].set(v_new.astype(pool.v.dtype))
+    k = pool.k.at[layer, pages, :, offsets].set(kv_storage.to_storage(k_new, pool.k.dtype))
+    v = pool.v.at[layer, pages, :, offsets].set(kv_storage.to_storage(v_new, pool.v.dtype))
     return KVPool(k=k, v=v)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference as ref
+from pallas_kernels.kv_storage import readable
 from paxkv import dense_cache, paged_cache
 from paxkv.full_attention import NoCache
 from paxkv.step_info import StepInfo
@@ -109,13 +110,14 @@ def _step(paged, dense, step: StepInfo, q, k, v, dtype, what: str):
         paged, out_p = attend_jit(paged, layer, q[layer], k[layer], v[layer], step)
         dense, out_d = attend_jit(dense, layer, q[layer], k[layer], v[layer], step)
         tag = f"{what} layer {layer}"
-        k_pages, v_pages = paged.pool.k[layer], paged.pool.v[layer]
+        k_pages, v_pages = readable(paged.pool.k[layer]), readable(paged.pool.v[layer])
         bt = paged.table.block_tables[rows]
         assert_rows_close(out_p, out_d, dtype, f"{tag}: paged vs dense")
         assert_rows_close(out_p, paged_prefill_ref(q[layer], k_pages, v_pages, bt, step.lengths,
                                                    step.query_lengths), dtype,
                           f"{tag}: paged vs reference")
-        assert_rows_close(out_d, dense_ref(q[layer], dense.k[layer, rows], dense.v[layer, rows],
+        assert_rows_close(out_d, dense_ref(q[layer], readable(dense.k[layer, rows]),
+                                           readable(dense.v[layer, rows]),
                                            step.lengths, step.query_lengths), dtype,
                           f"{tag}: dense vs reference")
         if q.shape[2] == 1 and np.array_equal(np.asarray(step.query_lengths),

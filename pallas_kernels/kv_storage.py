@@ -1,0 +1,70 @@
+"""How K/V values are stored in a pool, and read back for attention.
+
+A pool holds K/V in the dtype the caller asks for (``float32`` by default), except one case:
+**bfloat16 on a CPU is stored as its raw bits, in** ``uint16``. XLA:CPU runs bfloat16 arrays
+through float32: a bfloat16 pool's gather converts what it reads, and the step's K/V write (a
+scatter into the pool) converted the whole pool to float32 and back, four whole-pool
+conversions a layer (a batch-8 x 512 decode step took 1.4 s instead of 70 ms). Integer
+gathers, scatters and page copies move the bits untouched, and a reader widens them to
+float32 exactly (a bfloat16 is the top half of a float32), inside the copy that gathers them.
+
+Who does what:
+
+* :func:`storage_dtype` picks the pool's dtype for the K/V dtype asked for;
+* :func:`to_storage` turns new K/V into the pool's dtype (bfloat16 rounding: round to
+  nearest even, as ``astype(jnp.bfloat16)``);
+* :func:`readable` is applied to every gather from a pool: the bits become float32, any
+  other dtype passes unchanged (the attention math casts it to float32 itself).
+
+A bits pool and a ``jnp.bfloat16``-typed pool of the same K/V give the same attention
+(``tests/test_kv_storage.py``). The Pallas kernels take typed pools only: on a GPU bfloat16
+is stored as itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+BFLOAT16_BITS = jnp.dtype(jnp.uint16)
+
+
+def storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
+    """The dtype a pool of ``dtype`` K/V is stored in on ``backend`` (default: JAX's default
+    backend): :data:`BFLOAT16_BITS` for bfloat16 on a CPU, else ``dtype`` itself."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"K/V dtype must be a float dtype (e.g. jnp.float32, jnp.bfloat16), "
+                         f"got {dtype}")
+    backend = jax.default_backend() if backend is None else backend
+    return BFLOAT16_BITS if dtype == jnp.bfloat16 and backend == "cpu" else dtype
+
+
+def is_bits(x: jax.Array | jnp.dtype) -> bool:
+    """Whether ``x`` (an array or a dtype) holds bfloat16 K/V as raw bits."""
+    return jnp.dtype(getattr(x, "dtype", x)) == BFLOAT16_BITS
+
+
+def to_storage(x: jax.Array, storage: jnp.dtype) -> jax.Array:
+    """K/V values ``x`` (any float dtype) as stored in a pool of dtype ``storage``."""
+    if is_bits(storage):
+        return lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.bfloat16), BFLOAT16_BITS)
+    return jnp.asarray(x).astype(storage)
+
+
+def fill_value(value: float, storage: jnp.dtype) -> np.generic:
+    """A scalar that fills a pool of dtype ``storage`` with K/V ``value`` (NaN in tests)."""
+    if is_bits(storage):
+        return np.array(value, jnp.bfloat16).view(np.uint16)[()]
+    return np.array(value, storage)[()]
+
+
+def readable(x: jax.Array) -> jax.Array:
+    """K/V gathered from a pool, for the attention math: bfloat16 bits -> float32 (exact);
+    any other dtype unchanged. Callers apply it right at the gather, so XLA fuses the shift
+    into the copy."""
+    if is_bits(x):
+        return lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+    return x
