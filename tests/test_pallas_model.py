@@ -33,9 +33,11 @@ def test_pallas_generates_the_xla_greedy_tokens(lm):
 def test_attend_hands_the_whole_pool_to_the_kernels(monkeypatch):
     """On the GPU path ``attend`` writes and reads the carried 5-D pool through the kernels:
     no layer is sliced out of it and no XLA scatter touches it."""
+    # As on a GPU: compile, do not interpret; store bfloat16 as itself (not as bits).
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     cache = paged_cache.create(num_layers=4, num_kv_heads=2, head_dim=64, num_pages=8,
                                page_size=16, max_seqs=2, max_len=64, dtype=jnp.bfloat16)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # compile, do not interpret
+    assert cache.pool.k.dtype == jnp.bfloat16
 
     def decode_layer(cache, q, k, v, layer):
         step = StepInfo.make(cache.lengths, jnp.ones((2,), jnp.int32), 1)
