@@ -25,8 +25,9 @@
 3. **reserve**: jitted ``page_table.reserve`` (decode-style, ``max_new=1``) at 1,024 sequences x
    65,536 pages with the table partly filled, so pages are really allocated on every call.
 
-Writes ``results/decode.json`` (``decode_quick.json`` / ``decode_<part>.json`` for partial runs)
-after every part, with each part's wall and CPU seconds.
+Writes ``results/decode.json`` (``decode_quick.json`` / ``decode_<part>.json`` for partial runs,
+``..._bfloat16.json`` with bfloat16 K/V) after every part, with each part's wall and CPU
+seconds.
 """
 
 from __future__ import annotations
@@ -545,7 +546,8 @@ def main(argv=None) -> None:
     parts = [args.only] if args.only else ["reserve", "sweep", "offline"]
     run_part = dict(sweep=lambda: sweep(lm, args), offline=lambda: offline(lm, args),
                     reserve=lambda: reserve_cost(args))
-    name = "decode" + ("_quick" if args.quick else "") + (f"_{args.only}" if args.only else "")
+    name = ("decode" + ("_quick" if args.quick else "") + (f"_{args.only}" if args.only else "")
+            + ("" if args.kv_dtype == "float32" else f"_{args.kv_dtype}"))
     config = {k: v for k, v in vars(args).items() if k != "worker"}
     spent, failed = {}, []
     results["time_spent"] = spent  # CPU seconds (this process + workers) size a quiet rerun
