@@ -11,7 +11,8 @@ float32 exactly (a bfloat16 is the top half of a float32), inside the copy that 
 
 Who does what:
 
-* :func:`storage_dtype` picks the pool's dtype for the K/V dtype asked for;
+* :func:`storage_dtype` picks the pool's dtype for the K/V dtype asked for (:func:`full`
+  makes a pool array in it);
 * :func:`to_storage` turns new K/V into the pool's dtype (bfloat16 rounding: round to
   nearest even, as ``astype(jnp.bfloat16)``);
 * :func:`readable` is applied to every gather from a pool: the bits become float32, any
@@ -56,11 +57,13 @@ def to_storage(x: jax.Array, storage: jnp.dtype) -> jax.Array:
     return jnp.asarray(x).astype(storage)
 
 
-def fill_value(value: float, storage: jnp.dtype) -> np.generic:
-    """A scalar that fills a pool of dtype ``storage`` with K/V ``value`` (NaN in tests)."""
+def full(shape: tuple[int, ...], value: float, dtype: jnp.dtype) -> jax.Array:
+    """A pool array of ``shape`` for K/V of ``dtype`` (stored in :func:`storage_dtype`), every
+    value ``value`` (NaN in tests)."""
+    storage = storage_dtype(dtype)
     if is_bits(storage):
-        return np.array(value, jnp.bfloat16).view(np.uint16)[()]
-    return np.array(value, storage)[()]
+        return jnp.full(shape, np.array(value, jnp.bfloat16).view(np.uint16), storage)
+    return jnp.full(shape, value, storage)
 
 
 def readable(x: jax.Array) -> jax.Array:

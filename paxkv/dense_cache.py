@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import chunked
-from pallas_kernels.kv_storage import fill_value, readable, storage_dtype, to_storage
+from pallas_kernels.kv_storage import full, readable, to_storage
 from pallas_kernels.reference import attend_blocks, default_sm_scale
 from paxkv.step_info import StepInfo
 
@@ -185,8 +185,6 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, 
     if max_len < 1 or max_seqs < 1:
         raise ValueError(f"max_len and max_seqs must be >= 1, got {max_len}, {max_seqs}")
     shape = (num_layers, max_seqs, num_kv_heads, max_len, head_dim)
-    storage = storage_dtype(dtype)
-    value = fill_value(fill, storage)
-    return DenseCache(k=jnp.full(shape, value, storage), v=jnp.full(shape, value, storage),
+    return DenseCache(k=full(shape, fill, dtype), v=full(shape, fill, dtype),
                       lengths=jnp.zeros((max_seqs,), jnp.int32),
                       active=jnp.zeros((max_seqs,), bool))

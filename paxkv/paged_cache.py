@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import chunked
-from pallas_kernels.kv_storage import is_bits, readable
+from pallas_kernels.kv_storage import is_bits
 from pallas_kernels.reference import (attend_blocks, attend_blocks_with_prefix,
                                      attend_shared_pages, default_sm_scale)
 from paxkv import page_table as pt
@@ -183,9 +183,8 @@ def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
             return chunked.attend_in_query_tiles(q, pool.k, pool.v, block_tables,
                                                  step.positions, step.lengths,
                                                  sm_scale=sm_scale, layer=layer)
-        return attend_blocks(q, readable(pool.k[layer, block_tables]),
-                             readable(pool.v[layer, block_tables]), step.positions,
-                             step.lengths, sm_scale=sm_scale)
+        return attend_blocks(q, *pool.read(layer, block_tables), step.positions, step.lengths,
+                             sm_scale=sm_scale)
 
     if not 0 < prefix_pages < block_tables.shape[1]:
         return per_row()
@@ -194,9 +193,7 @@ def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
 
     def cascade() -> jax.Array:
         rest = block_tables[:, prefix_pages:]
-        k_shared, v_shared, k_rest, v_rest = (
-            readable(x[layer, pages]) for pages in (shared, rest) for x in (pool.k, pool.v))
-        return attend_blocks_with_prefix(q, k_shared, v_shared, k_rest, v_rest,
+        return attend_blocks_with_prefix(q, *pool.read(layer, shared), *pool.read(layer, rest),
                                          step.positions, step.lengths, sm_scale=sm_scale)
 
     holds = _prefix_holds(block_tables, shared, live, step.positions, prefix_pages * page_size)
@@ -288,8 +285,7 @@ def _shared_partial(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, shared
     batch, num_q_heads, head_dim = q.shape
     kv_heads = pool.k.shape[2]
     q_grouped = q.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)
-    return chunked.Partial(*attend_shared_pages(q_grouped, readable(pool.k[layer, shared]),
-                                                readable(pool.v[layer, shared]), live,
+    return chunked.Partial(*attend_shared_pages(q_grouped, *pool.read(layer, shared), live,
                                                 sm_scale=sm_scale))
 
 

@@ -41,6 +41,13 @@ class KVPool:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def read(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K and V of ``pages`` (int32, any shape ``[...]``) of one layer, for attention:
+        ``[..., kv_heads, page_size, head_dim]`` each, bfloat16 bits widened to float32
+        (:func:`pallas_kernels.kv_storage.readable`)."""
+        return (kv_storage.readable(self.k[layer, pages]),
+                kv_storage.readable(self.v[layer, pages]))
+
 
 def create(*, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int,
            head_dim: int, dtype: jnp.dtype = jnp.float32, fill: float = 0.0) -> KVPool:
@@ -48,9 +55,7 @@ def create(*, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int
     ``fill`` (tests use NaN to prove no stray reads). Stored in
     :func:`pallas_kernels.kv_storage.storage_dtype` (bfloat16 on a CPU: its bits)."""
     shape = (num_layers, num_pages + 1, num_kv_heads, page_size, head_dim)
-    storage = kv_storage.storage_dtype(dtype)
-    value = kv_storage.fill_value(fill, storage)
-    return KVPool(k=jnp.full(shape, value, storage), v=jnp.full(shape, value, storage))
+    return KVPool(k=kv_storage.full(shape, fill, dtype), v=kv_storage.full(shape, fill, dtype))
 
 
 def apply(pool: KVPool, update: PoolUpdate, *, scrub: bool = True) -> KVPool:

@@ -22,6 +22,7 @@ from pallas_kernels import kv_storage
 from paxkv import dense_cache, paged_cache, steps
 from paxkv import pool as kv_pool
 from paxkv.step_info import StepInfo
+from tests.test_caches import _kv_buffers
 from tests.test_experiments import tiny_lm
 
 BF16, BITS = jnp.dtype(jnp.bfloat16), kv_storage.BFLOAT16_BITS
@@ -51,8 +52,8 @@ def test_bits_round_to_nearest_even_and_widen_exactly():
                                   np.asarray(want).view(np.uint32))
     typed = jnp.asarray(x, jnp.bfloat16)
     assert kv_storage.readable(typed) is typed
-    nan_bits = kv_storage.fill_value(float("nan"), BITS)
-    assert np.isnan(float(kv_storage.readable(jnp.asarray(nan_bits))))
+    nan_bits = kv_storage.full((), float("nan"), jnp.bfloat16)
+    assert nan_bits.dtype == BITS and np.isnan(float(kv_storage.readable(nan_bits)))
 
 
 def _float32_twin(cache):
@@ -64,12 +65,6 @@ def _float32_twin(cache):
     return dataclasses.replace(cache, k=widen(cache.k), v=widen(cache.v))
 
 
-def _kv(cache) -> tuple[jax.Array, jax.Array]:
-    if isinstance(cache, paged_cache.PagedCache):
-        return cache.pool.k, cache.pool.v
-    return cache.k, cache.v
-
-
 @pytest.mark.parametrize("kind", ["paged", "dense"])
 def test_bits_cache_stores_and_attends_like_a_float32_cache_of_the_same_values(kind):
     shape = dict(num_layers=1, num_kv_heads=2, head_dim=8, max_seqs=4, max_len=24,
@@ -78,9 +73,9 @@ def test_bits_cache_stores_and_attends_like_a_float32_cache_of_the_same_values(k
         bits = paged_cache.create(num_pages=24, page_size=4, scrub=False, **shape)
     else:
         bits = dense_cache.create(**shape)
-    assert _kv(bits)[0].dtype == BITS
+    assert _kv_buffers(bits)[0].dtype == BITS
     typed = _float32_twin(bits)
-    assert _kv(typed)[0].dtype == jnp.float32
+    assert _kv_buffers(typed)[0].dtype == jnp.float32
     rng = np.random.default_rng(0)
 
     def step(num_new, width, prefix_pages=0):
@@ -98,7 +93,7 @@ def test_bits_cache_stores_and_attends_like_a_float32_cache_of_the_same_values(k
         typed, out_t = attend_jit(typed, q, k, v, info)
         assert np.isfinite(np.asarray(out_b)).all(), "a stray read of a NaN slot"
         np.testing.assert_allclose(np.asarray(out_b), np.asarray(out_t), rtol=1e-6, atol=1e-7)
-        for x_b, x_t in zip(_kv(bits), _kv(typed)):  # the same values stored (NaN: NaN)
+        for x_b, x_t in zip(_kv_buffers(bits), _kv_buffers(typed)):  # same values (NaN: NaN)
             np.testing.assert_array_equal(np.asarray(kv_storage.readable(x_b)), np.asarray(x_t))
 
     step([11, 0, 0, 7], 11)  # ragged prefill (query tiles)
