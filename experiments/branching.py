@@ -27,7 +27,7 @@ import inspect
 import statistics
 from typing import Any
 
-import models
+from paxkv import models
 from experiments.common import print_table, record, write_json
 from paxkv.beam_search import SearchResult, search
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
+from paxkv import models
 import paxkv
 from experiments.accounting import paged_page_map, provenance
 from experiments.common import print_table, record, write_json

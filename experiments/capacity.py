@@ -57,7 +57,7 @@ from typing import Any
 import jax
 import numpy as np
 
-import models
+from paxkv import models
 import paxkv
 from experiments.accounting import (Arena, CompileClock, arena_page_map, dense_page_map,
                                     paged_page_map, provenance)

@@ -48,10 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
+from paxkv import models
 from experiments.common import (english_prompts, hf_generate, peak_rss_mib, print_table, record,
                                 reset_peak_rss, run_worker, token_agreement, write_json)
-from pallas_kernels import kv_storage
+from paxkv import kv_storage
 from paxkv import dense_cache, page_table as pt, paged_cache, pool as kv_pool, steps
 from paxkv.step_info import StepInfo
 
@@ -501,7 +501,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check-cell", type=int, nargs=2, metavar=("BATCH", "CONTEXT"))
     ap.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="paxkv's K/V dtype in the sweep and the offline workload (bfloat16: "
-                    "half the bytes; on a CPU stored as bits, pallas_kernels.kv_storage)")
+                    "half the bytes; on a CPU stored as bits, paxkv.kv_storage)")
     ap.add_argument("--num-prompts", type=int)
     ap.add_argument("--prompt-lens", type=int, nargs=2, metavar=("MIN", "MAX"))
     ap.add_argument("--max-new", type=int)

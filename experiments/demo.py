@@ -13,7 +13,7 @@ import argparse
 import time
 
 
-import models
+from paxkv import models
 import paxkv
 from experiments.common import print_table, record, write_json
 

@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
+from paxkv import models
 from experiments.common import print_table, write_json
 from experiments.decode import filled_cache, step_logits
-from models.params import build_params, checkpoint_shapes
+from paxkv.models.params import build_params, checkpoint_shapes
 from paxkv import paged_cache, steps
 
 SMOLLM2_135M = models.LlamaConfig(

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_decode import paged_decode_attention
-from pallas_kernels.reference import gather_pages, paged_decode_attention_reference
+from pallas_kernels.reference import paged_decode_attention_reference
+from paxkv.attention.blocks import gather_pages
 
 FULL_SWEEP = (  # (batch, context, page_size): batch x context sweep, then page sizes
     [(b, c, 16) for b in (1, 16, 64, 256) for c in (512, 4096, 32768) if b * c <= 2**21]

@@ -52,11 +52,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import models
+from paxkv import models
 from experiments.common import print_table, record, write_json
-from models.config import LlamaConfig
-from models.gguf_loader import config_from_gguf, open_gguf
-from pallas_kernels import chunked
+from paxkv.models.config import LlamaConfig
+from paxkv.models.gguf_loader import config_from_gguf, open_gguf
+from paxkv.attention import chunked
 from paxkv import paged_cache
 
 PAGE_SIZE = 16

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-import models
+from paxkv import models
 import paxkv
 from experiments.accounting import CompileClock
 from experiments.common import (english_prompts, hf_generate, print_table, record,

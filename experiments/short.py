@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
+from paxkv import models
 from experiments.accounting import provenance
 from experiments.common import print_table, record, write_json
 from paxkv import dense_cache, page_table as pt, paged_cache, pool as kv_pool, steps

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import jax
 
-import models
+from paxkv import models
 import paxkv
 from experiments.common import print_table, record, write_json
 

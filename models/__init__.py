@@ -18,10 +18,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.config import LlamaConfig, RopeScaling
-from models.llama import Llama
-from models.params import Params
-from models.tokenizer import Tokenizer
+from .config import LlamaConfig, RopeScaling
+from .llama import Llama
+from .params import Params
+from .tokenizer import Tokenizer
 from paxkv.step_info import StepInfo
 
 __all__ = ["LanguageModel", "LlamaConfig", "RopeScaling", "Tokenizer", "default_model_path",
@@ -107,8 +107,8 @@ def default_model_path() -> str:
 
 
 def _read(path: str, dtype: Any) -> tuple[LlamaConfig, Params, Tokenizer]:
-    from models.gguf_loader import load_gguf
-    from models.hf_loader import load_hf_folder
+    from .gguf_loader import load_gguf
+    from .hf_loader import load_hf_folder
 
     if os.path.isdir(path):
         config, params = load_hf_folder(path, dtype)

@@ -21,8 +21,8 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import LlamaConfig
-from models.params import Params, build_params
+from .config import LlamaConfig
+from .params import Params, build_params
 
 SUPPORTED_TYPES = frozenset({
     gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,

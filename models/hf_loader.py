@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from models.config import LlamaConfig, RopeScaling
-from models.params import Params, build_params
+from .config import LlamaConfig, RopeScaling
+from .params import Params, build_params
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 

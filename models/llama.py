@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.config import LlamaConfig
+from .config import LlamaConfig
 from paxkv.step_info import StepInfo
 
 Cache = Any  # anything with the ``attend`` protocol above; a pytree.

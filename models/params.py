@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import LlamaConfig
+from .config import LlamaConfig
 
 Fetch = Callable[[str], np.ndarray]
 Params = dict[str, Any]

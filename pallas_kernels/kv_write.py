@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _interpret
-from pallas_kernels.kv_storage import to_storage
+from paxkv.kv_storage import to_storage
 
 # ---------------------------------------------------------------- layer 1: kernel bodies
 
@@ -121,7 +121,7 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_pages, slot_offsets, *, layer=
       k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]`` (donated), or with
         ``layer`` the whole pool ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]``.
       k_new, v_new: ``[batch, t, num_kv_heads, head_dim]`` (stored in the pages' dtype:
-        :func:`pallas_kernels.kv_storage.to_storage`).
+        :func:`paxkv.kv_storage.to_storage`).
       slot_pages, slot_offsets: int32 ``[batch, t]``; every in-pool slot named at most once.
       layer: int32 scalar: the layer of a 5-D pool to write (outside the pool: nothing is
         written); None for 4-D pages.

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 
 from jax import lax
 
-from pallas_kernels import chunked
-from pallas_kernels.kv_storage import full, readable, to_storage
-from pallas_kernels.reference import attend_blocks, default_sm_scale
+from paxkv.attention import chunked
+from paxkv.kv_storage import full, readable, to_storage
+from paxkv.attention.blocks import attend_blocks, default_sm_scale
 from paxkv.step_info import StepInfo
 
 
@@ -151,7 +151,7 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                           sm_scale: float) -> jax.Array:
     """Decode attention ``q [b, 1, heads, d]`` a group of rows at a time under ``lax.map``
     (``TILE_TOKENS`` keys a group, the batch split evenly) -> ``[b, 1, heads, d]``, through
-    the paged path's inner product (:func:`pallas_kernels.chunked.keys_partial`)."""
+    the paged path's inner product (:func:`paxkv.attention.chunked.keys_partial`)."""
     batch = q.shape[0]
     group = 1
     while 2 * group * window <= TILE_TOKENS and batch % (2 * group) == 0:
@@ -181,7 +181,7 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,
            dtype: jnp.dtype = jnp.float32, fill: float = 0.0) -> DenseCache:
     """An empty dense cache reserving ``max_len`` slots for each of ``max_seqs`` rows, K/V in
-    ``dtype`` (stored as the paged pool stores it: :mod:`pallas_kernels.kv_storage`)."""
+    ``dtype`` (stored as the paged pool stores it: :mod:`paxkv.kv_storage`)."""
     if max_len < 1 or max_seqs < 1:
         raise ValueError(f"max_len and max_seqs must be >= 1, got {max_len}, {max_seqs}")
     shape = (num_layers, max_seqs, num_kv_heads, max_len, head_dim)

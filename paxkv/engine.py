@@ -45,7 +45,7 @@ class Engine(Scheduler):
       page_size, num_pages: paged layout; ``num_pages`` defaults to the dense reservation
         ``max_seqs * ceil(max_len / page_size)``.
       kv_dtype: the K/V values' dtype (``jnp.bfloat16``: half the bytes; stored as bits on a
-        CPU, :mod:`pallas_kernels.kv_storage`, where the Pallas kernels refuse it).
+        CPU, :mod:`paxkv.kv_storage`, where the Pallas kernels refuse it).
       attention_impl: "auto" (Pallas on GPU, XLA elsewhere), "pallas" or "xla".
       prefill_chunk: longest prompt chunk per prefill call; prefill_tokens: batch x chunk budget.
       prefix_cache: index full pages by chained hashes and reuse them across requests (paged

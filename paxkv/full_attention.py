@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import attend_blocks
+from paxkv.attention.blocks import attend_blocks
 from paxkv.step_info import StepInfo
 
 

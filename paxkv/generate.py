@@ -55,7 +55,7 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]], *, max_new_tokens:
       max_len: tokens one sequence may hold; default the longest prompt + ``max_new_tokens``.
       loop: "python" (continuous batching) or "jit" (fixed batch, one compiled loop).
       kv_dtype: the K/V values' dtype. ``jnp.bfloat16`` halves the cache (a CPU stores it as
-        bits, :mod:`pallas_kernels.kv_storage`, and decodes faster than float32); tokens can
+        bits, :mod:`paxkv.kv_storage`, and decodes faster than float32); tokens can
         then differ from float32's (and HF's) where two logits are within its rounding.
       prefix_cache: reuse cached pages of identical prompt prefixes (paged cache only; the
         dense twin ignores it). Tokens are the same either way.

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import chunked
-from pallas_kernels.kv_storage import is_bits
-from pallas_kernels.reference import (attend_blocks, attend_blocks_with_prefix,
+from paxkv.attention import chunked
+from paxkv.kv_storage import is_bits
+from paxkv.attention.blocks import (attend_blocks, attend_blocks_with_prefix,
                                      attend_shared_pages, default_sm_scale)
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
@@ -42,7 +42,7 @@ class PagedCache:
         0: no hint.
       decode_chunks: static hint that a decode step's live rows need at most this many
         chunks of :data:`CHUNK_TOKENS` past the shared prefix (the XLA decode path's work list,
-        :mod:`pallas_kernels.chunked`); the step checks it and falls back to every row's whole
+        :mod:`paxkv.attention.chunked`); the step checks it and falls back to every row's whole
         window when it does not hold. None: size the list for every row's whole window.
     """
 
@@ -104,7 +104,7 @@ class PagedCache:
 
     def with_decode_chunks(self, num_chunks: int | None) -> "PagedCache":
         """The same cache with the ``decode_chunks`` hint, rounded up to the work list's
-        length (:func:`pallas_kernels.chunked.list_shape`, so nearby counts share a compiled
+        length (:func:`paxkv.attention.chunked.list_shape`, so nearby counts share a compiled
         step); static, see the class docstring. A hint no shorter than every row's whole
         window (after the shared prefix) is dropped: it would change nothing but the compile
         cache's key (set the window and the shared prefix first)."""
@@ -145,7 +145,7 @@ class PagedCache:
             if is_bits(self.pool.k):
                 raise ValueError(
                     "the Pallas kernels read typed pools; this pool stores bfloat16 K/V as bits "
-                    "(a CPU pool, pallas_kernels.kv_storage): use attention_impl='xla' here, or "
+                    "(a CPU pool, paxkv.kv_storage): use attention_impl='xla' here, or "
                     "kv_dtype=jnp.float32 to test the kernels")
             pool, out = _pallas_attend(self.pool, layer, q, k, v, pages, offsets, block_tables,
                                        step)
@@ -200,7 +200,7 @@ def _xla_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tabl
     return lax.cond(holds, cascade, per_row)
 
 
-# The XLA decode path's work list (pallas_kernels.chunked): chunks of 128 tokens, 32 chunks a
+# The XLA decode path's work list (paxkv.attention.chunked): chunks of 128 tokens, 32 chunks a
 # tile (K + V of a tile: 32 x 128 x kv_heads x head_dim x 8 bytes = 6 MB at SmolLM2's 3 x 64 in
 # float32). 16 chunks kept the copies in L2 but ran the small products 10-20% slower in all.
 CHUNK_TOKENS = 128
@@ -321,7 +321,7 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
            scrub: bool = True, fill: float = 0.0) -> PagedCache:
     """An empty paged cache of ``num_pages`` pages of ``page_size`` tokens for ``max_seqs``
     sequences of at most ``max_len`` tokens each, K/V in ``dtype`` (bfloat16 on a CPU is
-    stored as bits: :mod:`pallas_kernels.kv_storage`)."""
+    stored as bits: :mod:`paxkv.kv_storage`)."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if max_len < 1:

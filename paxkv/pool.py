@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_storage
+from paxkv import kv_storage
 from paxkv.page_table import PoolUpdate
 
 
@@ -44,7 +44,7 @@ class KVPool:
     def read(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
         """K and V of ``pages`` (int32, any shape ``[...]``) of one layer, for attention:
         ``[..., kv_heads, page_size, head_dim]`` each, bfloat16 bits widened to float32
-        (:func:`pallas_kernels.kv_storage.readable`)."""
+        (:func:`paxkv.kv_storage.readable`)."""
         return (kv_storage.readable(self.k[layer, pages]),
                 kv_storage.readable(self.v[layer, pages]))
 
@@ -53,7 +53,7 @@ def create(*, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int
            head_dim: int, dtype: jnp.dtype = jnp.float32, fill: float = 0.0) -> KVPool:
     """A pool of ``num_pages`` real pages plus the sentinel for K/V of ``dtype``, filled with
     ``fill`` (tests use NaN to prove no stray reads). Stored in
-    :func:`pallas_kernels.kv_storage.storage_dtype` (bfloat16 on a CPU: its bits)."""
+    :func:`paxkv.kv_storage.storage_dtype` (bfloat16 on a CPU: its bits)."""
     shape = (num_layers, num_pages + 1, num_kv_heads, page_size, head_dim)
     return KVPool(k=kv_storage.full(shape, fill, dtype), v=kv_storage.full(shape, fill, dtype))
 

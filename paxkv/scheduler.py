@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import chunked
+from paxkv.attention import chunked
 from paxkv import steps
 from paxkv.paged_cache import prefix_bucket
 from paxkv.prefix_cache import Hit, PrefixIndex

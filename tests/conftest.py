@@ -11,7 +11,7 @@ import importlib.util
 import jax
 import pytest
 
-import models
+from paxkv import models
 import oracle
 
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-import models
-from models.hf_loader import hf_name
-from models.params import checkpoint_shapes
+from paxkv import models
+from paxkv.models.hf_loader import hf_name
+from paxkv.models.params import checkpoint_shapes
 
 # NOTE: tests import this module both as ``oracle`` (conftest) and as ``tests.oracle``. One
 # module object under both names means one HF model load and one cache dir per session.
@@ -266,7 +266,7 @@ def write_gguf(path: str, config: models.LlamaConfig, state: dict[str, np.ndarra
     """
     import gguf
 
-    from models.tokenizer import byte_alphabet
+    from paxkv.models.tokenizer import byte_alphabet
 
     c, types, state = config, dict(types or {}), dict(state)
     w = gguf.GGUFWriter(path, "llama")

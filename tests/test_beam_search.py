@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from paxkv import models
 import paxkv
 from paxkv import paged_cache
 from paxkv.beam_search import Beam, SearchResult, _stale, search

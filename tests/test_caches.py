@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference as ref
-from pallas_kernels.kv_storage import readable
+from paxkv.kv_storage import readable
 from paxkv import dense_cache, paged_cache
 from paxkv.full_attention import NoCache
 from paxkv.step_info import StepInfo

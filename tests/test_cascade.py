@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import paxkv
-from pallas_kernels import reference as ref
+from paxkv.attention import blocks
 from paxkv import paged_cache
 from paxkv import scheduler as sched
 from paxkv.step_info import StepInfo
@@ -50,13 +50,13 @@ def test_prefix_attention_equals_attention_over_all_keys(case):
     k_rest = jnp.where(dead, jnp.nan, k_rest).astype(dtype)
     v_rest = jnp.where(dead, jnp.nan, v_rest).astype(dtype)
 
-    out = ref.attend_blocks_with_prefix(q, k_prefix, v_prefix, k_rest, v_rest,
+    out = blocks.attend_blocks_with_prefix(q, k_prefix, v_prefix, k_rest, v_rest,
                                         jnp.asarray(pos), jnp.asarray(lengths), sm_scale=0.3)
     # The oracle: the prefix as every row's first blocks, then its own.
     tile = lambda x: jnp.broadcast_to(x[None], (b, *x.shape))  # noqa: E731
     k_all = jnp.concatenate([tile(k_prefix), k_rest], axis=1)
     v_all = jnp.concatenate([tile(v_prefix), v_rest], axis=1)
-    want = ref.attend_blocks(q, k_all, v_all, jnp.asarray(pos), jnp.asarray(lengths),
+    want = blocks.attend_blocks(q, k_all, v_all, jnp.asarray(pos), jnp.asarray(lengths),
                              sm_scale=0.3)
     out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(out).all()

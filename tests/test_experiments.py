@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from paxkv import models
 from experiments import accounting, cancel, capacity, plots, read_floor, short
-from models.config import LlamaConfig
-from models.llama import Llama
+from paxkv.models.config import LlamaConfig
+from paxkv.models.llama import Llama
 from paxkv.full_attention import NoCache
 from paxkv.step_info import StepInfo
 

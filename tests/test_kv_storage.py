@@ -1,4 +1,4 @@
-"""bfloat16 K/V stored as bits on a CPU (pallas_kernels.kv_storage).
+"""bfloat16 K/V stored as bits on a CPU (paxkv.kv_storage).
 
 The oracle is a float32 twin of the same cache holding the same values (the bits widened),
 fed K/V already rounded to bfloat16: the bits cache must store the same values and give the
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import paxkv
-from pallas_kernels import kv_storage
+from paxkv import kv_storage
 from paxkv import dense_cache, paged_cache, steps
 from paxkv import pool as kv_pool
 from paxkv.step_info import StepInfo

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from paxkv import models
 import oracle
-from models.gguf_loader import SUPPORTED_TYPES
-from models.llama import Llama
+from paxkv.models.gguf_loader import SUPPORTED_TYPES
+from paxkv.models.llama import Llama
 from paxkv.full_attention import NoCache
 from paxkv.step_info import StepInfo
 
@@ -259,7 +259,7 @@ def tiny_logits(config: models.LlamaConfig, params, hf_model, seqs: list[list[in
 def test_tiny_gguf_matches_hf(tmp_path) -> None:
     """Permuted q/k, ``rope_freqs`` (Llama-3 scaling as llama.cpp stores it), Q8_0 and F16."""
     pytest.importorskip("transformers")
-    from models.hf_loader import config_from_dict
+    from paxkv.models.hf_loader import config_from_dict
 
     hf_model = oracle.tiny_hf_model("llama3")
     path = str(tmp_path / "tiny-q.gguf")

@@ -3,7 +3,7 @@
 Decode runs over a ragged list of fixed-size chunks; prefill runs one (row, query tile) at a
 time (:func:`attend_in_query_tiles`).
 
-The per-row form (:func:`pallas_kernels.reference.attend_blocks` over gathered pages) pads every
+The per-row form (:func:`paxkv.attention.blocks.attend_blocks` over gathered pages) pads every
 row to one window, the longest row's, and runs the whole batch as one pass over arrays larger
 than a CPU's cache. Both cost more than the arithmetic: at batch 32 with rows of 128-576 tokens
 a 768-token window reads 2.1x the live keys, and a batch of 64 rows x 512 tokens (25 MB of keys
@@ -30,7 +30,7 @@ split the way flash-decoding splits a GPU kernel's work:
   the result equals one softmax over the row's keys. A caller with more partials for the same
   rows (cascade attention's shared pages) merges them with :func:`merge`.
 
-Masking follows :mod:`pallas_kernels.reference`: keys past a row's length are excluded with
+Masking follows :mod:`paxkv.attention.blocks`: keys past a row's length are excluded with
 ``where`` (never multiplied by zero), so NaN in free pages or behind table padding cannot reach
 an output, and everything accumulates in float32.
 """
@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from pallas_kernels.kv_storage import readable
-from pallas_kernels.reference import attend_blocks
+from paxkv.kv_storage import readable
+from paxkv.attention.blocks import attend_blocks
 
 _NEG_INF = float("-inf")
 
@@ -148,7 +148,7 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_pages, v_pages: ``[num_pages, kv_heads, page_size, head_dim]``, or a whole pool
         ``[num_layers, num_pages, ...]`` with ``layer`` (indexed inside the gather: slicing a
         layer out first would copy it); any float dtype, or bfloat16 bits
-        (:mod:`pallas_kernels.kv_storage`).
+        (:mod:`paxkv.kv_storage`).
       block_tables: int32 ``[b, pages_per_row]``.
       lengths: int32 ``[b]``.
       work: from :func:`chunk_work`; ``num_chunks`` must be a multiple of ``tile_chunks``.
@@ -314,7 +314,7 @@ def query_tile(q_len: int) -> int:
 def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           block_tables: jax.Array, q_positions: jax.Array, lengths: jax.Array,
                           *, sm_scale: float, layer: jax.Array | None = None) -> jax.Array:
-    """:func:`pallas_kernels.reference.attend_blocks` over gathered pages, one (row, query
+    """:func:`paxkv.attention.blocks.attend_blocks` over gathered pages, one (row, query
     tile) at a time (:func:`query_tiles`).
 
     Args:
