@@ -33,7 +33,8 @@ _MODELS: dict[tuple[str, str, str], "LanguageModel"] = {}
 
 
 class LanguageModel:
-    """A loaded checkpoint: config, params, tokenizer, and a pure ``forward``.
+    """A loaded checkpoint: config, params, tokenizer, and a pure ``forward`` — a
+    :class:`paxkv.protocol.Model`.
 
     Attributes:
       config: the architecture (hashable; static under jit).
@@ -51,24 +52,40 @@ class LanguageModel:
         self.name = name
         self.compute_dtype = jnp.dtype(compute_dtype)
 
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
     def forward(self, params: Params, tokens: jax.Array, step: StepInfo, cache: Any, *,
-                all_logits: bool = False, attention_impl: str = "xla") -> tuple[jax.Array, Any]:
-        """One model step over ``[b, t]`` tokens; every layer attends through ``cache``.
+                all_logits: bool = False) -> tuple[jax.Array, Any]:
+        """One model step over ``[b, t]`` tokens; every layer attends through ``cache``
+        (:meth:`paxkv.protocol.Model.forward`).
 
         Args:
           params: ``self.params`` (or a same-shaped tree), traced.
           tokens: int32 ``[b, t]``; row ``b``'s real tokens are its first
             ``step.query_lengths[b]`` (padding ids are ignored).
           step: positions / lengths of this step (see :class:`paxkv.step_info.StepInfo`).
-          cache: any pytree with ``attend(layer, q, k, v, step, *, impl)``, traced.
+          cache: a :class:`paxkv.protocol.KVCache`, traced.
           all_logits: static; ``True`` -> ``[b, t, vocab]``, else ``[b, vocab]`` at each row's
             last real token (the vocab matmul runs only there).
-          attention_impl: static; passed through to ``cache.attend``.
 
         Returns:
           ``(float32 logits, new cache)``.
         """
-        module = Llama(self.config, dtype=self.compute_dtype, attention_impl=attention_impl)
+        module = Llama(self.config, dtype=self.compute_dtype)
         return module.apply(params, tokens, step, cache, all_logits=all_logits)
 
     def encode(self, text: str) -> list[int]:

@@ -6,10 +6,11 @@ while a cache passed as scan ``xs``/``ys`` would be copied whole on every step (
 
 Every layer hands its RoPE'd q/k and its v to the cache protocol::
 
-    cache, attn = cache.attend(layer_index, q, k, v, step, impl=attention_impl)
+    cache, attn = cache.attend(layer_index, q, k, v, step, sm_scale=head_dim ** -0.5)
 
 with ``q [b, t, num_heads, head_dim]``, ``k, v [b, t, num_kv_heads, head_dim]`` and
-``layer_index`` the int32 scan counter, so the model never knows how (or whether) KV is stored.
+``layer_index`` the int32 scan counter, so the model never knows how (or whether) KV is stored
+(:class:`paxkv.protocol.KVCache`); the step's attention plan rides on ``step``.
 
 Params (what the loaders build; ``L`` layers, ``D`` hidden, ``H``/``K`` q/kv heads, ``Dh`` head dim,
 ``F`` FFN width, ``V`` vocab)::
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from .config import LlamaConfig
 from paxkv.step_info import StepInfo
 
-Cache = Any  # anything with the ``attend`` protocol above; a pytree.
+Cache = Any  # a paxkv.protocol.KVCache (or the cache-less paxkv.full_attention.NoCache)
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +74,6 @@ class Attention(nn.Module):
 
     config: LlamaConfig
     dtype: Any
-    attention_impl: str
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: Cache,
@@ -85,7 +85,7 @@ class Attention(nn.Module):
         q = apply_rope(proj(c.num_heads, "q_proj")(x), cos, sin)
         k = apply_rope(proj(c.num_kv_heads, "k_proj")(x), cos, sin)
         v = proj(c.num_kv_heads, "v_proj")(x)
-        cache, out = cache.attend(layer, q, k, v, step, impl=self.attention_impl)
+        cache, out = cache.attend(layer, q, k, v, step, sm_scale=c.head_dim ** -0.5)
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
                               name="o_proj")(out.astype(self.dtype))
         return cache, out
@@ -112,7 +112,6 @@ class Block(nn.Module):
 
     config: LlamaConfig
     dtype: Any
-    attention_impl: str
 
     @nn.compact
     def __call__(self, carry: tuple[jax.Array, Cache, jax.Array], cos: jax.Array,
@@ -121,7 +120,7 @@ class Block(nn.Module):
         x, cache, layer = carry
         eps = self.config.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_norm")(x)
-        cache, attn = Attention(self.config, self.dtype, self.attention_impl, name="attn")(
+        cache, attn = Attention(self.config, self.dtype, name="attn")(
             h, cos, sin, cache, layer, step)
         x = x + attn
         h = RMSNorm(eps, self.dtype, name="post_attn_norm")(x)
@@ -138,7 +137,6 @@ class Llama(nn.Module):
 
     config: LlamaConfig
     dtype: Any = jnp.float32
-    attention_impl: str = "xla"
 
     @nn.compact
     def __call__(self, tokens: jax.Array, step: StepInfo, cache: Cache, *,
@@ -154,7 +152,7 @@ class Llama(nn.Module):
         cos, sin = rope_tables(c, step.positions)
         layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
-        (x, cache, _), _ = layers(c, self.dtype, self.attention_impl, name="layers")(
+        (x, cache, _), _ = layers(c, self.dtype, name="layers")(
             (x, cache, jnp.zeros((), jnp.int32)), cos, sin, step)
         if not all_logits:
             last = jnp.maximum(step.query_lengths - 1, 0)

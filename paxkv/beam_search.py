@@ -35,6 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv import dense_cache, paged_cache
+from paxkv.attention.plan import NO_PLAN, AttentionPlan
+from paxkv.buckets import cdiv, prefix_bucket
+from paxkv.protocol import KVCache, check_model
+from paxkv.sampling import SamplingParams
 from paxkv.step_info import StepInfo
 
 NEG = -1.0e9  # HF's "impossible" score: added, not assigned, exactly as HF does
@@ -141,25 +145,23 @@ def _select(b: _Beams, logp: jax.Array, stop_ids: jax.Array, lp: jax.Array, earl
                   open_, n, done), _gather(src, keep)
 
 
-def _pages_used(cache: Any) -> jax.Array:
-    """int32 ``[]``: pages held (dense: slots reserved by active rows)."""
-    table = getattr(cache, "table", None)
-    return jnp.sum(cache.active) * cache.max_len if table is None else jnp.sum(
-        table.ref_counts > 0)
+def _pages_used(cache: KVCache) -> jax.Array:
+    """int32 ``[]``: pages held (dense: rows, each ``max_len`` slots)."""
+    return cache.num_pages - cache.free_pages()
 
 
-def _stale(cache: Any) -> jax.Array:
+def _stale(cache: KVCache) -> jax.Array:
     """int32 ``[]``: pages with a reference but no live row pointing at them (0 if dense)."""
-    table = getattr(cache, "table", None)
-    if table is None:
+    if not cache.shares_pages:
         return jnp.zeros((), jnp.int32)
+    table = cache.table
     seen = jnp.zeros((table.num_pages + 1,), bool).at[table.block_tables].set(True)
     return jnp.sum(table.ref_counts > 0) - jnp.sum(seen[: table.num_pages])
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "beam_width", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("forward", "beam_width"),
                    donate_argnames=("cache",))
-def _prefill_fork(forward, params, cache, tokens, prompt_lens, *, beam_width, attention_impl):
+def _prefill_fork(forward, params, cache, tokens, prompt_lens, *, beam_width):
     """Prefills prompt ``i`` (tokens int32 ``[P, T]``, ``prompt_lens [P]``) into row ``i * W``
     and forks it into rows ``i * W + 1 .. i * W + W - 1``. Returns ``(cache, log-probs [P, V],
     ok [])``."""
@@ -168,18 +170,19 @@ def _prefill_fork(forward, params, cache, tokens, prompt_lens, *, beam_width, at
     cache, ok = cache.reserve(jnp.zeros((cache.max_seqs,), jnp.int32).at[rows].set(prompt_lens),
                               max_new=tokens.shape[1])
     step = StepInfo.make(cache.lengths[rows], prompt_lens, tokens.shape[1], rows=rows)
-    logits, cache = forward(params, tokens, step, cache, attention_impl=attention_impl)
+    logits, cache = forward(params, tokens, step, cache)
     children = jnp.arange(cache.max_seqs, dtype=jnp.int32).reshape(p, beam_width)[:, 1:]
     parents = jnp.broadcast_to(rows[:, None], children.shape)
     cache, forked = cache.fork(parents.reshape(-1), children.reshape(-1))
     return cache, jax.nn.log_softmax(logits, axis=-1), jnp.all(ok[rows]) & jnp.all(forked)
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "max_new_tokens", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("forward", "max_new_tokens", "plan"),
                    donate_argnames=("cache",))
 def _search(forward, params, cache, logp0, stop_ids, length_penalty, early, *,
-            max_new_tokens, attention_impl):
-    """The compiled loop. ``logp0 [P, V]``: prefill log-probs; the cache holds P x W forked rows.
+            max_new_tokens, plan):
+    """The compiled loop. ``logp0 [P, V]``: prefill log-probs; the cache holds P x W forked rows;
+    ``plan``: every decode step's attention plan (the beams' shared prompt pages).
 
     Returns ``(cache with every row released, final _Beams, stats int32 [5]: steps, peak
     pages, pages freed by reorders, max stale pages, 1 if the pool ran dry)``.
@@ -198,9 +201,9 @@ def _search(forward, params, cache, logp0, stop_ids, length_penalty, early, *,
     def body(carry):
         cache, beams, stats = carry
         cache, ok = cache.reserve(jnp.ones((s,), jnp.int32), max_new=1)
-        step = StepInfo.make(cache.lengths, ok.astype(jnp.int32), 1)
+        step = StepInfo.make(cache.lengths, ok.astype(jnp.int32), 1, plan=plan)
         last = beams.run_tokens[:, :, beams.t - 1].reshape(s, 1)
-        logits, cache = forward(params, last, step, cache, attention_impl=attention_impl)
+        logits, cache = forward(params, last, step, cache)
         stats = stats.at[0].add(1).at[1].max(_pages_used(cache)).at[4].max(
             jnp.any(~ok).astype(jnp.int32))
         logp = jax.nn.log_softmax(logits, axis=-1).reshape(p, w, -1)
@@ -237,48 +240,46 @@ def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
     prompt (``T``: the prompt bucket): the worst case, whatever the beams share.
     """
     _check(beam_width, max_new_tokens, early_stopping, cache, page_size)
-    if attention_impl == "auto":
-        attention_impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    cfg, p, w, n, ps = lm.config, len(prompt_ids), beam_width, max_new_tokens, page_size
-    stops = tuple(lm.eos_token_ids) if stop_token_ids is None else tuple(stop_token_ids)
+    check_model(lm)
+    p, w, n, ps = len(prompt_ids), beam_width, max_new_tokens, page_size
+    stops = tuple(SamplingParams(stop_token_ids=stop_token_ids).stops(lm))
     lens = [len(x) for x in prompt_ids]
     width = max(16, 1 << (max(lens) - 1).bit_length())  # prompt bucket: few compiled shapes
     tokens = np.zeros((p, width), np.int32)
     for i, x in enumerate(prompt_ids):
         tokens[i, : len(x)] = x
-    max_len = -(-(width + n) // ps) * ps
-    dims = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+    max_len = cdiv(width + n, ps) * ps
+    dims = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
                 max_seqs=p * w, max_len=max_len)
-    num_pages = p * (-(-width // ps) + w * (-(-n // ps) + 1))
-    kv = (paged_cache.create(num_pages=num_pages, page_size=ps, **dims) if cache == "paged"
-          else dense_cache.create(**dims))
+    num_pages = p * (cdiv(width, ps) + w * (cdiv(n, ps) + 1))
+    kv = (paged_cache.create(num_pages=num_pages, page_size=ps, attention_impl=attention_impl,
+                             **dims) if cache == "paged" else dense_cache.create(**dims))
+    plan = NO_PLAN
     if cache == "paged" and p == 1:  # every beam starts with the prompt's pages: read them once
-        kv = kv.with_shared_prefix(paged_cache.prefix_bucket(lens[0] // ps))
+        plan = AttentionPlan(prefix_pages=prefix_bucket(lens[0] // ps))
     start = time.perf_counter()
     kv, logp0, ok = _prefill_fork(lm.forward, lm.params, kv, jnp.asarray(tokens),
-                                  jnp.asarray(lens, jnp.int32), beam_width=w,
-                                  attention_impl=attention_impl)
+                                  jnp.asarray(lens, jnp.int32), beam_width=w)
     if not bool(ok):
         raise RuntimeError("prefill or fork failed: the pool is too small (a bug in sizing)")
     mid = time.perf_counter()
     kv, beams, stats = _search(
         lm.forward, lm.params, kv, logp0, jnp.asarray(stops, jnp.int32).reshape(-1),
         jnp.float32(length_penalty), jnp.int32(_EARLY[early_stopping]), max_new_tokens=n,
-        attention_impl=attention_impl)
+        plan=plan)
     stats, loop_s = np.asarray(stats), time.perf_counter() - mid
     if stats[4]:
         raise RuntimeError("beam search ran out of KV pages (a bug in pool sizing)")
-    table = getattr(kv, "table", None)
-    all_free = not bool(jnp.any(kv.active)) and (table is None or not bool(jnp.any(
-        table.ref_counts)))
+    all_free = not bool(jnp.any(kv.active)) and int(kv.free_pages()) == kv.num_pages
+    per_page = kv.page_size // ps  # a dense "page" is a row of max_len slots
     toks, scores, flens, fin = (np.asarray(a) for a in (
         beams.fin_tokens, beams.fin_scores, beams.fin_lens, beams.is_fin))
     out = [[Beam([int(t) for t in toks[i, j, : flens[i, j]]], float(scores[i, j]))
             for j in range(w) if fin[i, j]] for i in range(p)]
     return SearchResult(
-        out, int(stats[0]), int(stats[1]) // (ps if table is None else 1),
-        sum(w * -(-(x + n) // ps) for x in lens), int(stats[2]), int(stats[3]), all_free,
-        num_pages if table is not None else p * w * max_len // ps, mid - start, loop_s)
+        out, int(stats[0]), int(stats[1]) * per_page, sum(w * cdiv(x + n, ps) for x in lens),
+        int(stats[2]) * per_page, int(stats[3]), all_free, kv.num_pages * per_page,
+        mid - start, loop_s)
 
 
 def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: int,
@@ -289,7 +290,7 @@ def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: 
     """Beam search, HF-``generate(num_beams=beam_width)``-compatible, in one compiled loop.
 
     Args:
-      lm: a ``models.LanguageModel``.
+      lm: a :class:`paxkv.protocol.Model` (with ``encode`` for text prompts).
       prompts: strings (tokenised as they are) or token-id lists.
       beam_width: beams per prompt (W).
       max_new_tokens: the most tokens a hypothesis may have (N).

@@ -11,7 +11,6 @@ nature is the paged chunk list's raggedness: every row reads the whole window.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,22 +34,22 @@ class DenseStats:
     active_seqs: jax.Array
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths", "active"],
-                   meta_fields=["window"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseCache:
-    """Per-sequence KV ``[layers, max_seqs, kv_heads, max_len, head_dim]``.
+    """Per-sequence KV ``[layers, max_seqs, kv_heads, max_len, head_dim]``
+    (:class:`paxkv.protocol.KVCache`; a "page" is a whole row).
 
     Attributes:
       k, v: the caches; lengths: int32 ``[max_seqs]``; active: bool ``[max_seqs]``.
-      window: static bound on the slots attention reads per row (context bucket), or None.
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
     active: jax.Array
-    window: int | None = None
+
+    shares_pages = False
 
     @property
     def max_seqs(self) -> int:
@@ -59,6 +58,22 @@ class DenseCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    @property
+    def page_size(self) -> int:
+        return self.max_len
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_seqs
+
+    def free_pages(self) -> jax.Array:
+        """int32 scalar: free rows."""
+        return jnp.sum(~self.active).astype(jnp.int32)
+
+    def pages_used(self) -> jax.Array:
+        """int32 ``[max_seqs]``: 1 per active row."""
+        return self.active.astype(jnp.int32)
 
     def reserve(self, num_new: jax.Array, *, max_new: int) -> tuple["DenseCache", jax.Array]:
         """Grows lengths by ``num_new`` where it fits in ``max_len``; ``ok`` per row."""
@@ -100,10 +115,6 @@ class DenseCache:
             self, k=self.k[:, p], v=self.v[:, p], lengths=jnp.where(ok, self.lengths[p], 0),
             active=ok), ok
 
-    def with_window(self, max_tokens: int | None) -> "DenseCache":
-        return dataclasses.replace(
-            self, window=None if max_tokens is None else min(self.max_len, max_tokens))
-
     def stats(self) -> DenseStats:
         reserved = jnp.sum(self.active) * self.max_len
         held = jnp.sum(self.lengths)
@@ -113,33 +124,50 @@ class DenseCache:
                           active_seqs=jnp.sum(self.active))
 
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-               step: StepInfo, *, impl: str = "xla") -> tuple["DenseCache", jax.Array]:
+               step: StepInfo, *, sm_scale: float | None = None,
+               logit_soft_cap: float | None = None) -> tuple["DenseCache", jax.Array]:
         """Writes this step's K/V at their positions, then attends (same contract as
-        :meth:`paxkv.paged_cache.PagedCache.attend`)."""
-        del impl  # one implementation: no gather to accelerate
+        :meth:`paxkv.paged_cache.PagedCache.attend`; of the plan only the window applies, and
+        it is checked the same way)."""
         rows = jnp.arange(self.max_seqs) if step.rows is None else step.rows
         slot = jnp.where(step.positions >= 0, step.positions, self.max_len)  # padding dropped
         new_k, new_v = (x.at[layer, rows[:, None], :, slot].set(to_storage(y, x.dtype), mode="drop")
                         for x, y in ((self.k, k), (self.v, v)))
-        window = self.max_len if self.window is None else self.window
-        sm_scale = default_sm_scale(q.shape[-1], None)
-        if not chunked.tiles_pay():  # one wide pass (a GPU)
-            k_ctx, v_ctx = (readable(x[layer, rows, :, :window])[:, None] for x in (new_k, new_v))
-            out = attend_blocks(q, k_ctx, v_ctx, step.positions, step.lengths,
-                                sm_scale=sm_scale)
-        elif q.shape[1] == 1:
-            out = _decode_in_row_groups(new_k, new_v, layer, rows, q, step, window, sm_scale)
+        scores = dict(sm_scale=default_sm_scale(q.shape[-1], sm_scale),
+                      logit_soft_cap=logit_soft_cap)
+
+        def read(window: int) -> jax.Array:
+            return _attend_rows(new_k, new_v, layer, rows, q, step, window, scores)
+
+        window = self.max_len if step.plan.window is None else min(self.max_len,
+                                                                   step.plan.window)
+        if window == self.max_len:
+            out = read(window)
         else:
-            _, _, kv_heads, _, head_dim = new_k.shape
-
-            def read(row: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-                at, size = (layer, row, 0, 0, 0), (1, 1, kv_heads, n, head_dim)
-                return (readable(lax.dynamic_slice(new_k, at, size)),
-                        readable(lax.dynamic_slice(new_v, at, size)))
-
-            out = chunked.query_tiles(q, step.positions, step.lengths, rows, read, width=window,
-                                      unit=1, sm_scale=sm_scale)
+            live = step.query_lengths > 0
+            fits = jnp.all(~live | (step.lengths <= window))
+            out = lax.cond(fits, lambda: read(window), lambda: read(self.max_len))
         return dataclasses.replace(self, k=new_k, v=new_v), out
+
+
+def _attend_rows(k_all: jax.Array, v_all: jax.Array, layer: jax.Array, rows: jax.Array,
+                 q: jax.Array, step: StepInfo, window: int, scores: dict) -> jax.Array:
+    """``q [b, t, H, Dh]`` over the first ``window`` slots of its rows -> ``[b, t, H, Dh]``:
+    one wide pass on a GPU; on a CPU decode in row groups, prefill in query tiles."""
+    if not chunked.tiles_pay():
+        k_ctx, v_ctx = (readable(x[layer, rows, :, :window])[:, None] for x in (k_all, v_all))
+        return attend_blocks(q, k_ctx, v_ctx, step.positions, step.lengths, **scores)
+    if q.shape[1] == 1:
+        return _decode_in_row_groups(k_all, v_all, layer, rows, q, step, window, scores)
+    _, _, kv_heads, _, head_dim = k_all.shape
+
+    def read(row: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+        at, size = (layer, row, 0, 0, 0), (1, 1, kv_heads, n, head_dim)
+        return (readable(lax.dynamic_slice(k_all, at, size)),
+                readable(lax.dynamic_slice(v_all, at, size)))
+
+    return chunked.query_tiles(q, step.positions, step.lengths, rows, read, width=window,
+                               unit=1, **scores)
 
 
 # Keys per decode tile: the paged path's 32 chunks of 128 (paxkv.paged_cache.TILE_CHUNKS).
@@ -148,7 +176,7 @@ TILE_TOKENS = 4096
 
 def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                           rows: jax.Array, q: jax.Array, step: StepInfo, window: int,
-                          sm_scale: float) -> jax.Array:
+                          scores: dict) -> jax.Array:
     """Decode attention ``q [b, 1, heads, d]`` a group of rows at a time under ``lax.map``
     (``TILE_TOKENS`` keys a group, the batch split evenly) -> ``[b, 1, heads, d]``, through
     the paged path's inner product (:func:`paxkv.attention.chunked.keys_partial`)."""
@@ -170,7 +198,7 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
 
         parts = chunked.keys_partial(q_g.reshape(group, kv_heads, -1, head_dim),
                                      read(k_all).swapaxes(-1, -2), read(v_all), live,
-                                     sm_scale=sm_scale)
+                                     **scores)
         return chunked.finish(parts, q.dtype)[:, None]
 
     split = lambda x: x.reshape((batch // group, group) + x.shape[1:])  # noqa: E731

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from paxkv.attention.blocks import attend_blocks
+from paxkv.attention.blocks import attend_blocks, default_sm_scale
 from paxkv.step_info import StepInfo
 
 
@@ -21,11 +21,13 @@ class NoCache:
     """
 
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-               step: StepInfo, *, impl: str = "xla") -> tuple["NoCache", jax.Array]:
+               step: StepInfo, *, sm_scale: float | None = None,
+               logit_soft_cap: float | None = None) -> tuple["NoCache", jax.Array]:
         """q ``[b, t, h, d]``, k/v ``[b, t, kv_heads, d]`` -> ``(self, [b, t, h, d])``."""
-        del layer, impl
+        del layer
         k_blocks = jnp.swapaxes(k, 1, 2)[:, None]  # [b, 1, kv_heads, t, d]
         v_blocks = jnp.swapaxes(v, 1, 2)[:, None]
         out = attend_blocks(q, k_blocks, v_blocks, step.positions, step.query_lengths,
-                            sm_scale=q.shape[-1] ** -0.5)
+                            sm_scale=default_sm_scale(q.shape[-1], sm_scale),
+                            logit_soft_cap=logit_soft_cap)
         return self, out

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k and top-p, per row, inside jit.
+"""Token sampling: what a user asks for (:class:`SamplingParams`, host side) and how each row
+draws inside jit (:class:`RowSampling`, arrays: greedy, temperature, top-k and top-p).
 
 Each row carries its own settings as arrays, so requests with different settings share one
 compiled step. Each row's randomness comes from ``fold_in(key(seed), position)``: the same
@@ -8,15 +9,64 @@ request draws the same tokens whatever else is in the batch.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-row sampling settings (all ``[batch]``).
+    """What one request asks for; the same object (or the same keywords) for
+    :func:`paxkv.generate`, :meth:`paxkv.Engine.submit` and :meth:`paxkv.Engine.fork`.
+
+    Attributes:
+      max_new_tokens: tokens to generate (fewer if a stop token comes).
+      temperature: 0 is greedy; top_k, top_p: None is off.
+      seed: request ``i`` of an engine samples from ``fold_in(PRNGKey(seed), i)``.
+      n: samples of the prompt: one prefill, forked into ``n`` rows sharing its pages.
+      stop_token_ids: tokens that end a sequence; None: the model's EOS ids; ``()``: none.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    n: int = 1
+    stop_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        validate(self.temperature, self.top_k, self.top_p)
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids",
+                               tuple(int(t) for t in self.stop_token_ids))
+
+    @classmethod
+    def of(cls, params: "SamplingParams | None", **overrides: Any) -> "SamplingParams":
+        """``params`` (default: all defaults) with the keyword forms applied on top; keywords
+        left None keep ``params``' value."""
+        base = params if params is not None else cls()
+        if not isinstance(base, SamplingParams):
+            raise TypeError(f"params must be a paxkv.SamplingParams, got {type(base).__name__}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return dataclasses.replace(base, **given) if given else base
+
+    def stops(self, model: Any) -> frozenset[int]:
+        """The stop ids for ``model``: its EOS ids unless ``stop_token_ids`` says otherwise."""
+        if self.stop_token_ids is not None:
+            return frozenset(self.stop_token_ids)
+        return frozenset(int(t) for t in getattr(model, "eos_token_ids", ()))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling settings inside jit (all ``[batch]``).
 
     Attributes:
       temperature: float32; 0 means greedy.
@@ -42,19 +92,19 @@ def validate(temperature: float, top_k: int | None, top_p: float | None) -> None
 
 
 def make_params(batch: int, *, temperature: float = 0.0, top_k: int | None = None,
-                top_p: float | None = None, seeds: list[int] | None = None) -> SamplingParams:
+                top_p: float | None = None, seeds: list[int] | None = None) -> RowSampling:
     """The same settings for every row; ``seeds`` (one int per row) default to 0."""
     validate(temperature, top_k, top_p)
     seeds = [0] * batch if seeds is None else seeds
     keys = jnp.stack([jax.random.key_data(jax.random.PRNGKey(s)) for s in seeds])
-    return SamplingParams(
+    return RowSampling(
         temperature=jnp.full((batch,), temperature, jnp.float32),
         top_k=jnp.full((batch,), top_k or 0, jnp.int32),
         top_p=jnp.full((batch,), 1.0 if top_p is None else top_p, jnp.float32),
         seed=keys.astype(jnp.uint32))
 
 
-def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+def _filtered_logits(logits: jax.Array, params: RowSampling) -> jax.Array:
     """Temperature-scaled logits with everything outside top-k / top-p set to -inf."""
     scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
     sorted_desc = -jnp.sort(-scaled, axis=-1)
@@ -70,7 +120,7 @@ def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams | None) -> jax.Array:
+def sample(logits: jax.Array, positions: jax.Array, params: RowSampling | None) -> jax.Array:
     """Next tokens: logits float32 ``[batch, vocab]``, positions int32 ``[batch]`` (the position
     the token will take, for the key) -> int32 ``[batch]``.
 

@@ -4,9 +4,10 @@ A step is ``reserve -> forward -> sample`` in one compiled function, so the page
 pool update and the model run without a host round trip. The cache argument is donated: the
 pool arrays are updated in place and the caller must use the returned cache.
 
-``forward`` is the model's ``forward(params, tokens, step, cache, *, all_logits,
-attention_impl) -> (logits, cache)`` (see ``models.LanguageModel.forward``), passed as a static
-argument so one compiled step serves every call with the same shapes.
+``forward`` is a :class:`paxkv.protocol.Model`'s ``forward(params, tokens, step, cache) ->
+(logits, cache)``, passed as a static argument so one compiled step serves every call with the
+same shapes. ``plan`` (static) is the step's :class:`~paxkv.attention.plan.AttentionPlan`: hints
+the cache checks, so any plan gives the same tokens.
 """
 
 from __future__ import annotations
@@ -17,26 +18,20 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from paxkv.sampling import SamplingParams, sample
+from paxkv.sampling import RowSampling, sample
+from paxkv.attention.plan import NO_PLAN, AttentionPlan
+from paxkv.protocol import KVCache
 from paxkv.step_info import StepInfo
 
-Forward = Callable[..., tuple[jax.Array, Any]]
-Cache = Any  # PagedCache | DenseCache: both implement reserve / release / fork / attend
+Forward = Callable[[Any, jax.Array, StepInfo, KVCache], tuple[jax.Array, KVCache]]
+Cache = KVCache
 
 
-def free_pages(cache: Cache) -> jax.Array:
-    """int32 scalar: pages nobody holds (for a dense cache a page is a whole free row)."""
-    table = getattr(cache, "table", None)
-    if table is None:
-        return jnp.sum(~cache.active)
-    return jnp.sum(table.ref_counts == 0)
-
-
-@functools.partial(jax.jit, static_argnames=("forward", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("forward", "plan"),
                    donate_argnames=("cache",))
 def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
-                 rows: jax.Array, query_lengths: jax.Array, sampling: SamplingParams | None, *,
-                 attention_impl: str = "xla") -> tuple[Cache, jax.Array, jax.Array, jax.Array]:
+                 rows: jax.Array, query_lengths: jax.Array, sampling: RowSampling | None, *,
+                 plan: AttentionPlan = NO_PLAN) -> tuple[Cache, jax.Array, jax.Array, jax.Array]:
     """Appends a chunk of prompt tokens to some rows and samples each row's next token.
 
     Args:
@@ -53,26 +48,26 @@ def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
     cache, ok_rows = cache.reserve(num_new, max_new=tokens.shape[1])
     ok = ok_rows[rows]
     step = StepInfo.make(cache.lengths[rows], jnp.where(ok, query_lengths, 0), tokens.shape[1],
-                         rows=rows)
-    logits, cache = forward(params, tokens, step, cache, attention_impl=attention_impl)
+                         rows=rows, plan=plan)
+    logits, cache = forward(params, tokens, step, cache)
     next_tokens = sample(logits, step.lengths, sampling)
-    return cache, next_tokens, ok, free_pages(cache)
+    return cache, next_tokens, ok, cache.free_pages()
 
 
 def _decode(forward: Forward, params: Any, cache: Cache, tokens: jax.Array, live: jax.Array,
-            sampling: SamplingParams | None, attention_impl: str):
+            sampling: RowSampling | None, plan: AttentionPlan):
     cache, ok = cache.reserve(live.astype(jnp.int32), max_new=1)
     ok = ok & live
-    step = StepInfo.make(cache.lengths, ok.astype(jnp.int32), 1)
-    logits, cache = forward(params, tokens[:, None], step, cache, attention_impl=attention_impl)
+    step = StepInfo.make(cache.lengths, ok.astype(jnp.int32), 1, plan=plan)
+    logits, cache = forward(params, tokens[:, None], step, cache)
     return cache, sample(logits, step.lengths, sampling), ok
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("forward", "plan"),
                    donate_argnames=("cache",))
 def decode_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
-                live: jax.Array, sampling: SamplingParams | None, *,
-                attention_impl: str = "xla") -> tuple[Cache, jax.Array, jax.Array, jax.Array]:
+                live: jax.Array, sampling: RowSampling | None, *,
+                plan: AttentionPlan = NO_PLAN) -> tuple[Cache, jax.Array, jax.Array, jax.Array]:
     """One token for every live row of the cache.
 
     Args:
@@ -85,22 +80,16 @@ def decode_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
       rows and for rows the pool had no page for (those are left unchanged).
     """
     cache, next_tokens, ok = _decode(forward, params, cache, tokens, live, sampling,
-                                     attention_impl)
-    return cache, next_tokens, ok, free_pages(cache)
+                                     plan)
+    return cache, next_tokens, ok, cache.free_pages()
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def release_rows(cache: Cache, rows: jax.Array) -> tuple[Cache, jax.Array]:
-    """Jitted, donated ``cache.release(rows)``; rows bool ``[max_seqs]``."""
-    return cache.release(rows)
-
-
-@functools.partial(jax.jit, static_argnames=("forward", "max_new_tokens", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("forward", "max_new_tokens", "plan"),
                    donate_argnames=("cache",))
 def decode_loop(forward: Forward, params: Any, cache: Cache, first_tokens: jax.Array,
                 limits: jax.Array, stop_ids: jax.Array, stop_mask: jax.Array,
-                sampling: SamplingParams | None, *, max_new_tokens: int,
-                attention_impl: str = "xla"):
+                sampling: RowSampling | None, *, max_new_tokens: int,
+                plan: AttentionPlan = NO_PLAN):
     """The fully jitted decode loop for a fixed batch (``lax.while_loop``, reserve inside).
 
     Args:
@@ -128,7 +117,7 @@ def decode_loop(forward: Forward, params: Any, cache: Cache, first_tokens: jax.A
         cache, out, count, running, dry = carry
         last = out[rows, jnp.maximum(count - 1, 0)]
         cache, nxt, ok = _decode(forward, params, cache, last, running, sampling,
-                                 attention_impl)
+                                 plan)
         dry = dry | (running & ~ok)
         out = out.at[rows, jnp.where(ok, count, max_new_tokens)].set(nxt, mode="drop")
         count = count + ok.astype(jnp.int32)

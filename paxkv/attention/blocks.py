@@ -1,5 +1,5 @@
 """The attention maths every path shares: masked softmax over gathered blocks, cascade over a
-shared prefix, and the softmax scale.
+shared prefix, and the model's score settings (softmax scale, logit soft-cap).
 
 One vocabulary and argument order for every attention function in paxkv:
 
@@ -19,8 +19,9 @@ Sequence ``b`` holds ``lengths[b]`` tokens; token ``p`` lives in page
 
 Everything past ``lengths[b]`` is masked with ``where`` (never multiplied by zero), so NaN in free
 pages or behind table padding cannot reach an output. Softmax and both contractions accumulate
-in float32 whatever the storage dtype. The Pallas kernels' oracles
-(:mod:`pallas_kernels.reference`) are these functions over gathered pages.
+in float32 whatever the storage dtype. Every score goes through :func:`scale_scores` (scale,
+then soft-cap, then the mask), so a model's settings mean the same on every path. The Pallas
+kernels' oracles (:mod:`pallas_kernels.reference`) are these functions over gathered pages.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def attend_blocks(
       q_positions: int32 ``[batch, q_len]``: absolute position of each query (causal mask).
         A query with a negative position is padding and yields zeros.
       lengths: int32 ``[batch]``: keys at positions ``>= lengths`` are never read.
+      sm_scale, logit_soft_cap: the model's score settings (:func:`scale_scores`).
 
     Returns:
       ``[batch, q_len, num_q_heads, head_dim]`` in ``q.dtype``; rows with nothing to attend
@@ -66,10 +68,9 @@ def attend_blocks(
     visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
     visible &= (q_positions >= 0)[:, :, None, None]
 
-    scores = jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
-                        preferred_element_type=jnp.float32) * sm_scale
-    if logit_soft_cap is not None:
-        scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
+    scores = scale_scores(jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
+                                     preferred_element_type=jnp.float32),
+                          sm_scale, logit_soft_cap)
     scores = jnp.where(visible[:, :, None, None], scores, _NEG_INF)
     row_max = jnp.max(scores, axis=(-2, -1), keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -93,6 +94,7 @@ def attend_blocks_with_prefix(
     lengths: jax.Array,
     *,
     sm_scale: float,
+    logit_soft_cap: float | None = None,
 ) -> jax.Array:
     """:func:`attend_blocks` when every row's first keys are the same pages (cascade attention).
 
@@ -113,6 +115,8 @@ def attend_blocks_with_prefix(
         position ``prefix + m * block_size + s`` is ``k_blocks[:, m, :, s]``.
       q_positions: int32 ``[batch, q_len]`` (negative: padding, yields zeros).
       lengths: int32 ``[batch]``: keys at positions ``>= lengths`` are never read.
+      sm_scale, logit_soft_cap: the model's score settings (:func:`scale_scores`), for both
+        parts.
 
     Returns:
       ``[batch, q_len, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -127,7 +131,8 @@ def attend_blocks_with_prefix(
 
     # The shared part: every (row, query) at once, as partials [b, t, k, g(, d)].
     shared = attend_shared_pages(q_grouped.reshape(batch * q_len, num_kv_heads, group, head_dim),
-                                 k_prefix, v_prefix, real.reshape(-1), sm_scale=sm_scale)
+                                 k_prefix, v_prefix, real.reshape(-1), sm_scale=sm_scale,
+                                 logit_soft_cap=logit_soft_cap)
     m_shared, l_shared, o_shared = (x.reshape((batch, q_len) + x.shape[1:]) for x in shared)
 
     # The per-row rest, masked as in attend_blocks.
@@ -135,8 +140,9 @@ def attend_blocks_with_prefix(
     key_live = key_pos[None] < lengths[:, None, None]  # [b, m, s]
     visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
     visible &= real[:, :, None, None]  # [b, t, m, s]
-    s_own = jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
-                       preferred_element_type=jnp.float32) * sm_scale
+    s_own = scale_scores(jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
+                                    preferred_element_type=jnp.float32),
+                         sm_scale, logit_soft_cap)
     s_own = jnp.where(visible[:, :, None, None], s_own, _NEG_INF)
 
     # One softmax over both parts: rescale the shared partials to the joint max.
@@ -160,6 +166,7 @@ def attend_shared_pages(
     live: jax.Array,
     *,
     sm_scale: float,
+    logit_soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Softmax partials of many queries over the same pages, all of them visible: the shared
     part of cascade attention, for prefill (:func:`attend_blocks_with_prefix`) and decode
@@ -172,6 +179,7 @@ def attend_shared_pages(
       q_grouped: ``[n, num_kv_heads, group, head_dim]``: the queries, by kv head.
       k_prefix, v_prefix: ``[prefix_pages, num_kv_heads, page_size, head_dim]``.
       live: bool ``[n]``: queries that attend (the rest get max -inf, zeros).
+      sm_scale, logit_soft_cap: the model's score settings (:func:`scale_scores`).
 
     Returns:
       ``(max, sum, out)``: float32 ``[n, kv, group]`` (the largest score), ``[n, kv, group]``
@@ -184,11 +192,23 @@ def attend_shared_pages(
     def keys(pages: jax.Array) -> jax.Array:  # [n, k, s, d] -> [k, n * s, d]
         return pages.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim).astype(f32)
 
-    scores = jnp.einsum("nkgd,ksd->nkgs", q_grouped.astype(f32), keys(k_prefix)) * sm_scale
+    scores = scale_scores(jnp.einsum("nkgd,ksd->nkgs", q_grouped.astype(f32), keys(k_prefix)),
+                          sm_scale, logit_soft_cap)
     scores = jnp.where(live[:, None, None, None], scores, _NEG_INF)
     top = jnp.max(scores, axis=-1)
     probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
     return top, jnp.sum(probs, axis=-1), jnp.einsum("nkgs,ksd->nkgd", probs, keys(v_prefix))
+
+
+def scale_scores(scores: jax.Array, sm_scale: float,
+                 logit_soft_cap: float | None = None) -> jax.Array:
+    """Raw float32 scores ``q . k`` (any shape) -> the scores the softmax sees, same shape:
+    ``s = scores * sm_scale``, then, with a cap (Gemma-2), ``logit_soft_cap * tanh(s / cap)``,
+    which bounds them to ``(-cap, cap)``. Callers mask afterwards (with ``where``)."""
+    scores = scores * sm_scale
+    if logit_soft_cap is None:
+        return scores
+    return logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:

@@ -32,7 +32,8 @@ split the way flash-decoding splits a GPU kernel's work:
 
 Masking follows :mod:`paxkv.attention.blocks`: keys past a row's length are excluded with
 ``where`` (never multiplied by zero), so NaN in free pages or behind table padding cannot reach
-an output, and everything accumulates in float32.
+an output, and everything accumulates in float32. Scores take the model's settings
+(``sm_scale``, ``logit_soft_cap``) through :func:`paxkv.attention.blocks.scale_scores`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from paxkv.kv_storage import readable
-from paxkv.attention.blocks import attend_blocks
+from paxkv.attention.blocks import attend_blocks, default_sm_scale, scale_scores
 
 _NEG_INF = float("-inf")
 
@@ -140,6 +141,7 @@ def chunk_work(lengths: jax.Array, live: jax.Array, *, start_page: int, page_siz
 def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    block_tables: jax.Array, lengths: jax.Array, work: ChunkWork, *,
                    chunk_pages: int, tile_chunks: int, sm_scale: float,
+                   logit_soft_cap: float | None = None,
                    layer: jax.Array | None = None) -> Partial:
     """Softmax partials of every row's chunks, merged per row.
 
@@ -152,6 +154,8 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       block_tables: int32 ``[b, pages_per_row]``.
       lengths: int32 ``[b]``.
       work: from :func:`chunk_work`; ``num_chunks`` must be a multiple of ``tile_chunks``.
+      sm_scale, logit_soft_cap: the model's score settings
+        (:func:`paxkv.attention.blocks.scale_scores`).
 
     Returns:
       the rows' :class:`Partial` (rows without chunks: max -inf, zeros).
@@ -184,7 +188,8 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         # One transpose each (two in a row fuse into a copy that runs 2x slower here).
         k_t = k.transpose(0, 2, 4, 1, 3).reshape(n, num_kv_heads, head_dim, -1)  # [T, k, d, cs]
         v = v.transpose(0, 2, 1, 3, 4).reshape(n, num_kv_heads, -1, head_dim)  # [T, k, cs, d]
-        return keys_partial(q_grouped[row], k_t, v, key_live.reshape(n, -1), sm_scale=sm_scale)
+        return keys_partial(q_grouped[row], k_t, v, key_live.reshape(n, -1), sm_scale=sm_scale,
+                            logit_soft_cap=logit_soft_cap)
 
     tiles = num_chunks // tile_chunks
     split = lambda x: x.reshape((tiles, tile_chunks) + x.shape[1:])  # noqa: E731
@@ -220,7 +225,7 @@ def read_in_range(x: jax.Array, *index: jax.Array | slice) -> jax.Array:
 
 
 def keys_partial(q: jax.Array, k_t: jax.Array, v: jax.Array, live: jax.Array, *,
-                 sm_scale: float) -> Partial:
+                 sm_scale: float, logit_soft_cap: float | None = None) -> Partial:
     """Softmax partials of ``n`` independent (queries, keys) pairs: the inner product of both
     decode paths' tiles (paged chunks, dense row groups).
 
@@ -236,12 +241,15 @@ def keys_partial(q: jax.Array, k_t: jax.Array, v: jax.Array, live: jax.Array, *,
       v: ``[n, kv_heads, keys, head_dim]`` (any float dtype; products in float32).
       live: bool ``[n, keys]``: keys to attend to; the rest are excluded with ``where``, so
         NaN there never reaches an output.
+      sm_scale, logit_soft_cap: the model's score settings
+        (:func:`paxkv.attention.blocks.scale_scores`).
 
     Returns:
       :class:`Partial` of shape ``[n, kv_heads, group(, head_dim)]``.
     """
     f32 = jnp.float32
-    scores = jnp.sum(q.astype(f32)[..., None] * k_t.astype(f32)[:, :, None], axis=3) * sm_scale
+    dots = jnp.sum(q.astype(f32)[..., None] * k_t.astype(f32)[:, :, None], axis=3)
+    scores = scale_scores(dots, sm_scale, logit_soft_cap)
     scores = jnp.where(live[:, None, None], scores, _NEG_INF)  # [n, k, g, keys]
     top = jnp.max(scores, axis=-1)
     probs = jnp.exp(scores - _finite(top)[..., None])
@@ -276,6 +284,7 @@ def paged_decode_attention_chunked(
     chunk_pages: int,
     tile_chunks: int,
     sm_scale: float | None = None,
+    logit_soft_cap: float | None = None,
     layer: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`pallas_kernels.reference.paged_decode_attention_reference` as a chunk list.
@@ -288,6 +297,8 @@ def paged_decode_attention_chunked(
       num_chunks: static list length, a multiple of ``tile_chunks``; it must cover
         ``sum(chunks_needed(lengths))`` (callers that cannot promise it check
         ``chunk_work(...).total`` first, as :mod:`paxkv.paged_cache` does).
+      sm_scale: the softmax scale (None: ``head_dim ** -0.5``); logit_soft_cap: None (off) or
+        the Gemma-2 cap (:func:`paxkv.attention.blocks.scale_scores`).
 
     Returns:
       ``[b, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -296,10 +307,10 @@ def paged_decode_attention_chunked(
     lengths = jnp.asarray(lengths)
     work = chunk_work(lengths, lengths > 0, start_page=0, page_size=page_size,
                       chunk_pages=chunk_pages, num_chunks=num_chunks)
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     parts = chunk_partials(q, k_pages, v_pages, block_tables, lengths, work,
-                           chunk_pages=chunk_pages, tile_chunks=tile_chunks, sm_scale=scale,
-                           layer=layer)
+                           chunk_pages=chunk_pages, tile_chunks=tile_chunks,
+                           sm_scale=default_sm_scale(q.shape[-1], sm_scale),
+                           logit_soft_cap=logit_soft_cap, layer=layer)
     return finish(parts, q.dtype)
 
 
@@ -313,7 +324,8 @@ def query_tile(q_len: int) -> int:
 
 def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           block_tables: jax.Array, q_positions: jax.Array, lengths: jax.Array,
-                          *, sm_scale: float, layer: jax.Array | None = None) -> jax.Array:
+                          *, sm_scale: float, logit_soft_cap: float | None = None,
+                          layer: jax.Array | None = None) -> jax.Array:
     """:func:`paxkv.attention.blocks.attend_blocks` over gathered pages, one (row, query
     tile) at a time (:func:`query_tiles`).
 
@@ -321,6 +333,8 @@ def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q: ``[b, t, num_q_heads, head_dim]``; q_positions: int32 ``[b, t]`` (-1: padding).
       k_pages, v_pages: ``[num_pages, ...]`` or a pool ``[num_layers, num_pages, ...]`` with
         ``layer``; block_tables: int32 ``[b, pages_per_row]``; lengths: int32 ``[b]``.
+      sm_scale, logit_soft_cap: the model's score settings
+        (:func:`paxkv.attention.blocks.scale_scores`).
 
     Returns:
       ``[b, t, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -332,12 +346,13 @@ def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         return readable(k_pages[layer, ids][None]), readable(v_pages[layer, ids][None])
 
     return query_tiles(q, q_positions, lengths, block_tables, read,
-                       width=block_tables.shape[1], unit=k_pages.shape[-2], sm_scale=sm_scale)
+                       width=block_tables.shape[1], unit=k_pages.shape[-2], sm_scale=sm_scale,
+                       logit_soft_cap=logit_soft_cap)
 
 
 def query_tiles(q: jax.Array, q_positions: jax.Array, lengths: jax.Array, row_keys: jax.Array,
                 read: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]], *, width: int,
-                unit: int, sm_scale: float) -> jax.Array:
+                unit: int, sm_scale: float, logit_soft_cap: float | None = None) -> jax.Array:
     """Attention one (row, query tile) at a time under ``lax.map``, for any KV layout.
 
     A prefill of 8 rows x 512 queries materialises ``[8, 512, heads, 512]`` float32 scores
@@ -355,6 +370,8 @@ def query_tiles(q: jax.Array, q_positions: jax.Array, lengths: jax.Array, row_ke
       read: ``(row_keys[i], n) -> (k, v)``, each ``[1, blocks, kv_heads, block, head_dim]``:
         the row's first ``n * unit`` keys (``n`` static).
       width: the row's window in units of ``unit`` tokens (pages; tokens for a dense row).
+      sm_scale, logit_soft_cap: the model's score settings
+        (:func:`paxkv.attention.blocks.scale_scores`).
 
     Returns:
       ``[b, t, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -373,7 +390,7 @@ def query_tiles(q: jax.Array, q_positions: jax.Array, lengths: jax.Array, row_ke
         def attend(span: int) -> jax.Array:
             k, v = read(keys, span)
             return attend_blocks(q_tile[None], k, v, positions[None], length[None],
-                                 sm_scale=sm_scale)[0]
+                                 sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)[0]
 
         branches = [functools.partial(attend, span) for span in spans]
         return lax.switch(jnp.minimum(which, parts - 1), branches)

@@ -1,0 +1,159 @@
+"""The engine's device side: the cache and every jitted, donated operation on it.
+
+:class:`CacheOps` owns the cache between steps. Its methods run one compiled function each
+(the cache donated, so the pool is never copied) and keep two host-side counts current: free
+pages, and copy-on-write copies (probed around a step only once rows may share pages). Every
+array argument has a fixed width (:func:`pad`), so each operation compiles once per cache
+shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxkv import buckets, steps
+from paxkv import page_table as pt
+from paxkv.attention.plan import AttentionPlan
+from paxkv.protocol import KVCache
+from paxkv.sampling import RowSampling
+
+
+def pad(values: Sequence[int], width: int, fill: int) -> np.ndarray:
+    """int32 ``[width]``: ``values`` then ``fill``."""
+    out = np.full(width, fill, np.int32)
+    out[:len(values)] = values
+    return out
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def attach_rows(cache: Any, rows: jax.Array, pages: jax.Array,
+                lengths: jax.Array) -> tuple[Any, jax.Array]:
+    """``page_table.attach`` on a paged cache (rows ``[k]``, pages ``[k, w]``, lengths
+    ``[k]``); ``ok`` bool ``[k]``."""
+    table, ok = pt.attach(cache.table, rows, pages, lengths)
+    return dataclasses.replace(cache, table=table), ok
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("delta",))
+def retain_pages(cache: Any, pages: jax.Array, *, delta: int) -> Any:
+    """Adds ``delta`` references to ``pages`` (int32 ``[n]``; ids past the pool ignored)."""
+    return dataclasses.replace(cache, table=pt.retain(cache.table, pages, delta))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def fork_rows(cache: KVCache, parents: jax.Array, children: jax.Array) -> tuple[KVCache, jax.Array]:
+    """``cache.fork`` (paged: share pages; dense: copy rows); pairs out of range are no-ops."""
+    return cache.fork(parents, children)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def release_rows(cache: KVCache, rows: jax.Array) -> tuple[KVCache, jax.Array]:
+    """``cache.release(rows)``; rows bool ``[max_seqs]``."""
+    return cache.release(rows)
+
+
+@jax.jit
+def shared_partial_pages(table: pt.PageTable) -> tuple[jax.Array, jax.Array]:
+    """Before a step: each row's last cell and, where that page is partly filled and shared,
+    its page id (``num_pages + 1`` elsewhere). int32 ``[max_seqs]`` each."""
+    held = table.pages_held()
+    cell = jnp.clip(held - 1, 0)
+    page = jnp.take_along_axis(table.block_tables, cell[:, None], axis=1)[:, 0]
+    refs = jnp.take(table.ref_counts, page, mode="fill", fill_value=0)
+    shared = (held > 0) & (table.lengths % table.page_size != 0) & (refs > 1)
+    return cell, jnp.where(shared, page, table.num_pages + 1)
+
+
+@jax.jit
+def count_copies(table: pt.PageTable, cell: jax.Array, page: jax.Array) -> jax.Array:
+    """After a step: rows whose shared partial page was replaced by a private copy."""
+    now = jnp.take_along_axis(table.block_tables, cell[:, None], axis=1)[:, 0]
+    return jnp.sum((page <= table.num_pages) & (now != page))
+
+
+class CacheOps:
+    """The cache, its free-page count and its copy-on-write count, changed only through the
+    jitted operations below."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.free = cache.num_pages
+        self.peak_used = 0
+        self.cow_copies = 0
+        self.shares = False  # rows may share a partly filled page: probe steps for copies
+
+    @property
+    def max_seqs(self) -> int:
+        return self.cache.max_seqs
+
+    def _note_free(self, free: int) -> None:
+        self.free = free
+        self.peak_used = max(self.peak_used, self.cache.num_pages - free)
+
+    def refresh_free(self) -> None:
+        self._note_free(int(self.cache.free_pages()))
+
+    def attach(self, row: int, pages: Sequence[int], num_tokens: int) -> None:
+        """Row ``row`` holds ``pages`` (a prefix-cache hit) for ``num_tokens`` tokens."""
+        width = self.cache.table.max_pages_per_seq
+        padded = pad(pages, width, self.cache.num_pages)[None, :]
+        self.cache, ok = attach_rows(self.cache, jnp.asarray([row], jnp.int32),
+                                     jnp.asarray(padded), jnp.asarray([num_tokens]))
+        if not bool(ok[0]):
+            raise RuntimeError(f"attaching cached pages {list(pages)} to row {row} failed")
+        self.shares = True
+
+    def retain(self, pages: Sequence[int], delta: int) -> None:
+        """``delta`` more references on each of ``pages`` (the prefix index's holds)."""
+        for i in range(0, len(pages), 256):
+            chunk = pages[i:i + 256]
+            padded = pad(chunk, buckets.pow2(len(chunk), 8), self.cache.num_pages)
+            self.cache = retain_pages(self.cache, jnp.asarray(padded), delta=delta)
+
+    def fork(self, parent: int, children: Sequence[int]) -> None:
+        """Rows ``children`` continue row ``parent`` (paged: sharing its pages)."""
+        if not children:
+            return
+        self.cache, ok = fork_rows(
+            self.cache, jnp.asarray(pad([parent] * len(children), self.max_seqs, -1)),
+            jnp.asarray(pad(list(children), self.max_seqs, -1)))
+        if not np.asarray(ok)[:len(children)].all():
+            raise RuntimeError(f"forking row {parent} into rows {list(children)} failed")
+        self.shares = self.cache.shares_pages
+
+    def release(self, rows: Sequence[int]) -> None:
+        """Ends ``rows``: pages only they held are free at once."""
+        mask = np.zeros(self.max_seqs, bool)
+        mask[list(rows)] = True
+        self.cache, _ = release_rows(self.cache, jnp.asarray(mask))
+        self.refresh_free()
+
+    def _probed(self, run: Any) -> tuple[Any, ...]:
+        probe = (shared_partial_pages(self.cache.table)
+                 if self.shares and self.cache.shares_pages else None)
+        self.cache, *out, free = run()
+        self._note_free(int(free))
+        if probe is not None:
+            self.cow_copies += int(count_copies(self.cache.table, *probe))
+        return tuple(np.asarray(x) for x in out)
+
+    def prefill(self, model: Any, tokens: np.ndarray, rows: np.ndarray, query_lengths: np.ndarray,
+                sampling: RowSampling | None, plan: AttentionPlan) -> tuple[np.ndarray, ...]:
+        """:func:`paxkv.steps.prefill_step` -> ``(next_tokens [b], ok [b])`` as numpy."""
+        return self._probed(lambda: steps.prefill_step(
+            model.forward, model.params, self.cache, jnp.asarray(tokens), jnp.asarray(rows),
+            jnp.asarray(query_lengths), sampling, plan=plan))
+
+    def decode(self, model: Any, last_tokens: np.ndarray, live: np.ndarray,
+               sampling: RowSampling | None, plan: AttentionPlan) -> tuple[np.ndarray, ...]:
+        """:func:`paxkv.steps.decode_step` over every row -> ``(next_tokens, ok)``
+        ``[max_seqs]`` as numpy."""
+        return self._probed(lambda: steps.decode_step(
+            model.forward, model.params, self.cache, jnp.asarray(last_tokens),
+            jnp.asarray(live), sampling, plan=plan))

@@ -1,0 +1,172 @@
+"""The engine's request table: requests, cache rows, the queue and ids. Plain Python, no JAX.
+
+A request moves through::
+
+    submit -> waiting -> (admitted to a row) prefilling -> decoding -> finished
+                 ^                                           |
+                 +------------ preempted (recomputed) -------+
+
+A finished request that holds no row is *done*: the engine hands its result out once (from
+``step()``) and drops it from the table, so a long-lived engine holds only live requests.
+A request with ``n > 1`` samples is done when every sample is; its samples are dropped with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from paxkv.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One request's outcome: ``token_ids`` are the generated tokens (a stop token included),
+    ``text`` their decoding without stop tokens; ``finish_reason`` is "stop", "length",
+    "cancelled", "forked" (branched into children), "prefilled" (a shared prefix),
+    "out_of_pages" or "running"; ``num_cached_tokens`` counts prompt tokens served from shared
+    pages; with ``n > 1``, ``samples`` holds the n results (the fields above then repeat
+    sample 0)."""
+
+    token_ids: list[int]
+    text: str
+    prompt_ids: list[int]
+    finish_reason: str
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    samples: list["GenerationResult"] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What one ``Engine.step()`` changed.
+
+    Attributes:
+      new_tokens: request id -> tokens it generated in this step (samples and forked children
+        under their own ids).
+      finished: request id -> result, for requests that are done (each is handed out once and
+        then dropped from the engine).
+    """
+
+    new_tokens: dict[int, list[int]]
+    finished: dict[int, GenerationResult]
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    key_data: np.ndarray
+    salt: str | bytes | None = None
+    n: int = 1  # > 1: prefill prompt[:-1] once, then fork into n children
+    hold: bool = False  # keep the row after finishing, to fork it later
+    is_prefix: bool = False  # a shared prefix: prefilled, then held ("prefilled") for forks
+    prefix_of: int | None = None  # the held prefix request this one forks at admission
+    sample_of: int | None = None  # the n > 1 request this one is a sample of
+    output: list[int] = dataclasses.field(default_factory=list)
+    row: int | None = None
+    cached: int = 0  # tokens[:cached] are in the row
+    finish_reason: str | None = None
+    preemptions: int = 0
+    admitted_at: int = 0
+    num_cached_tokens: int = 0
+    children: list[int] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def make(cls, rid: int, prompt_ids: list[int], params: SamplingParams,
+             stop_ids: frozenset[int], key_data: np.ndarray, **fields) -> "Request":
+        """A request with ``params``' settings (``stop_ids``: resolved for the model)."""
+        return cls(rid, prompt_ids, params.max_new_tokens, stop_ids, float(params.temperature),
+                   int(params.top_k or 0), 1.0 if params.top_p is None else float(params.top_p),
+                   key_data, n=params.n, **fields)
+
+    def params(self) -> SamplingParams:
+        """This request's settings (stop ids resolved) as :class:`SamplingParams`, n = 1."""
+        return SamplingParams(self.max_new_tokens, self.temperature, self.top_k or None,
+                              self.top_p, stop_token_ids=tuple(sorted(self.stop_ids)))
+
+    @property
+    def keeps_row(self) -> bool:
+        """Finished but holding its row: a held request, or a prefilled shared prefix."""
+        return self.finish_reason == "prefilled" or (
+            self.hold and self.finish_reason in ("stop", "length"))
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output
+
+    @property
+    def target(self) -> int:
+        """Tokens to hold before sampling (an n > 1 parent stops one short and forks)."""
+        return len(self.prompt_ids) + len(self.output) - (self.n > 1)
+
+    @property
+    def decoding(self) -> bool:
+        return (self.row is not None and self.finish_reason is None
+                and self.cached == len(self.prompt_ids) + len(self.output) - 1)
+
+
+class RequestTable:
+    """Every live request by id, which row holds which, and the queue (front first)."""
+
+    def __init__(self, max_seqs: int):
+        self.requests: dict[int, Request] = {}
+        self.rows: list[Request | None] = [None] * max_seqs
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.clock = 0  # engine steps so far: admission order for preemption
+        self._next_id = 0
+
+    def new_id(self) -> int:
+        rid, self._next_id = self._next_id, self._next_id + 1
+        return rid
+
+    def add(self, req: Request) -> None:
+        self.requests[req.id] = req
+
+    def get(self, request_id: int) -> Request:
+        """The live request ``request_id``; a ``ValueError`` naming it otherwise."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown request id {request_id!r}: not submitted to this engine, "
+                             "or already done and handed out by step() / run()")
+        return req
+
+    def free_rows(self) -> list[int]:
+        return [i for i, r in enumerate(self.rows) if r is None]
+
+    def place(self, req: Request, row: int) -> None:
+        self.rows[row], req.row, req.cached, req.admitted_at = req, row, 0, self.clock
+
+    def vacate(self, req: Request) -> None:
+        if req.row is not None:
+            self.rows[req.row], req.row = None, None
+
+    def running(self) -> list[Request]:
+        """Requests in a row and not finished (prefilling or decoding)."""
+        return [r for r in self.rows if r is not None and r.finish_reason is None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or bool(self.running())
+
+    def is_done(self, req: Request) -> bool:
+        """Finished, holding no row, and (with samples) every sample done too."""
+        if req.finish_reason is None or req.row is not None:
+            return False
+        return all(self.is_done(self.requests[c]) for c in req.children if req.n > 1)
+
+    def pop_done(self) -> list[Request]:
+        """Removes and returns the done requests users see (not samples: they leave with
+        their request)."""
+        done = [r for r in self.requests.values() if r.sample_of is None and self.is_done(r)]
+        for r in done:
+            for c in (r.children if r.n > 1 else []):
+                self.requests.pop(c, None)
+            self.requests.pop(r.id)
+        return done
