@@ -31,11 +31,9 @@ with shared pages (for ``experiments.plots``).
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import time
 from typing import Any
 
 import jax
@@ -61,7 +60,7 @@ from paxkv import models
 import paxkv
 from experiments.accounting import (Arena, CompileClock, arena_page_map, dense_page_map,
                                     paged_page_map, provenance)
-from experiments.common import print_table, record, write_json
+from experiments.common import clock, print_table, record, write_json
 from paxkv import page_table as pt
 
 SYSTEMS = ("paged", "dense_max_len", "dense_exact")
@@ -219,13 +218,12 @@ def run_system(lm: Any, system: str, cfg: Config,
     series: dict[str, list] = collections.defaultdict(list)
     busy = cpu = compiling = 0.0
     peak, page_map = -1, None
-    with CompileClock() as clock:
+    with CompileClock() as compile_clock:
         while drv.pending or drv.inflight:
             drv.admit()
-            c0, t0, p0 = clock.total, time.perf_counter(), time.process_time()
-            drv.engine.step()
-            wall, spent = time.perf_counter() - t0, time.process_time() - p0
-            compiled = clock.total - c0
+            c0 = compile_clock.total
+            wall, spent, _ = clock(drv.engine.step)
+            compiled = compile_clock.total - c0
             busy, cpu, compiling = busy + wall, cpu + spent, compiling + compiled
             drv.poll()
             s = drv.sample()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
 import statistics
 import subprocess
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import jax
 
@@ -50,19 +51,66 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         print(line(row))
 
 
-def median_time(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall seconds of ``fn()`` (which must block until its result is ready)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+# -- timing: every repeated measurement goes through timed_rounds ------------------------------
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds of repeated calls of one function, each blocked until its result is ready.
+
+    ``times_s`` and ``cpu_times_s`` (process CPU, which other tenants of a shared machine
+    inflate far less than wall time) are the timed calls in order; ``warmup_s`` the untimed
+    ones before them (the first compiles)."""
+
+    median_s: float
+    times_s: list[float]
+    warmup_s: list[float]
+    cpu_times_s: list[float]
+
+    def ms(self) -> dict[str, Any]:
+        """The JSON form, in milliseconds."""
+        return dict(median_ms=1e3 * self.median_s, times_ms=[1e3 * t for t in self.times_s],
+                    warmup_ms=[1e3 * t for t in self.warmup_s])
 
 
-# -- shared by experiments that run a workload in subprocesses (decode.py) --------------------
+def clock(fn: Callable[..., Any], *args: Any) -> tuple[float, float, Any]:
+    """One call ``fn(*args)``, blocked until its result is ready: (wall s, CPU s, result)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(fn(*args))
+    return time.perf_counter() - wall, time.process_time() - cpu, out
+
+
+def timed_rounds(fns: Mapping[Hashable, Callable[[], Any]], *, repeats: int,
+                 warmup: int = 1) -> dict[Hashable, Timing]:
+    """``warmup + repeats`` rounds, each calling every ``fns[name]()`` once in order (through
+    :func:`clock`), so a shared machine's drift hits every function alike; the ``i``-th times
+    of two functions are from the same round (pair them for a difference). A function that
+    carries state (a donated cache) keeps it in its closure."""
+    wall: dict[Hashable, list[float]] = {name: [] for name in fns}
+    cpu: dict[Hashable, list[float]] = {name: [] for name in fns}
+    for _ in range(warmup + repeats):
+        for name, fn in fns.items():
+            w, c, _ = clock(fn)
+            wall[name].append(w)
+            cpu[name].append(c)
+    return {name: Timing(median_s=statistics.median(wall[name][warmup:]),
+                         times_s=wall[name][warmup:], warmup_s=wall[name][:warmup],
+                         cpu_times_s=cpu[name][warmup:]) for name in fns}
+
+
+def timed(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> Timing:
+    """``fn()`` called ``warmup`` times untimed, then ``repeats`` times timed, each call
+    blocked until its result is ready: the median and every time (see :class:`Timing`)."""
+    return timed_rounds({"fn": fn}, repeats=repeats, warmup=warmup)["fn"]
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished child processes."""
+    import resource
+
+    own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+# -- shared by experiments that run a workload in subprocesses (offline.py, sharing.py) ---------
 def english_prompts(lm: Any, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     """``n`` consecutive, non-overlapping windows of ``lo..hi`` tokens (lengths seeded) cut from
     real English prose available offline: CPython's ``pydoc_data.topics`` (the Language

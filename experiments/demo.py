@@ -10,12 +10,10 @@ tokens/s, and how many sequences each cache fits in the same memory. Writes
 from __future__ import annotations
 
 import argparse
-import time
-
 
 from paxkv import models
 import paxkv
-from experiments.common import print_table, record, write_json
+from experiments.common import print_table, record, timed, write_json
 
 SYSTEM = (
     "You are Pax, a patient and precise assistant for a public library. Answer in two or three "
@@ -43,16 +41,18 @@ QUESTIONS = [
 def run(lm, cache: str, prompts: list[list[int]], args) -> tuple[list, dict]:
     engine = paxkv.Engine(lm, cache=cache, max_seqs=args.users, max_len=args.max_len,
                           page_size=args.page_size)
-    for p in prompts:  # warm-up pass compiles every shape the timed pass uses
-        engine.submit(p, max_new_tokens=args.max_new_tokens, stop_token_ids=[])
-    engine.run()
-    engine.peak_pages_used = 0
-    ids = [engine.submit(p, max_new_tokens=args.max_new_tokens, stop_token_ids=[])
-           for p in prompts]
-    start = time.perf_counter()
-    results = engine.run()
-    seconds = time.perf_counter() - start
-    out = [results[i] for i in ids]
+    passes = []
+
+    def one_pass() -> None:
+        engine.peak_pages_used = 0
+        ids = [engine.submit(p, max_new_tokens=args.max_new_tokens, stop_token_ids=[])
+               for p in prompts]
+        results = engine.run()
+        passes.append([results[i] for i in ids])
+
+    # The warm-up pass compiles every shape the timed pass uses.
+    seconds = timed(one_pass, repeats=1, warmup=1).median_s
+    out = passes[-1]
     generated = sum(len(r.token_ids) for r in out)
     cfg = lm.config
     slot_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # k + v, float32

@@ -10,7 +10,7 @@ paths with each other on identical K/V:
    paged cache, once with ``attention_impl="pallas"`` (``write_kv`` + the prefill kernel) and
    once with ``"xla"``; greedy next tokens must agree.
 2. **decode**: per (batch, context) cell, one cache of each kind filled with the same hashed K/V
-   (``experiments.decode.filled_cache``); one step's logits of paged-pallas and paged-xla
+   (``experiments.hashed_kv.filled_cache``); one step's logits of paged-pallas and paged-xla
    against dense (per-row relative error, float32 matmuls at "highest" precision: XLA's
    default on a GPU is TF32), then donated ``steps.decode_step`` calls timed
    (warm-up, ``block_until_ready``, median), the three variants interleaved step by step.
@@ -24,9 +24,7 @@ Writes ``results/gpu_model.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from typing import Any
 
 import jax
@@ -34,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv import models
-from experiments.common import print_table, write_json
-from experiments.decode import filled_cache, step_logits
+from experiments.common import print_table, timed_rounds, write_json
+from experiments.hashed_kv import filled_cache, step_logits
 from paxkv.models.params import build_params, checkpoint_shapes
 from paxkv import paged_cache, steps
 
@@ -82,8 +80,7 @@ def prefill_check(lm: models.LanguageModel, batch: int, max_prompt: int) -> dict
 
 
 def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dict[str, Any]:
-    rounds = args.warmup + args.repeats
-    filled = context - rounds - 1
+    filled = context - (args.warmup + args.repeats) - 1
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, lm.config.vocab_size, batch),
                          jnp.int32)
     caches = {v: filled_cache(lm, v[0], batch, context, filled) for v in VARIANTS}
@@ -99,21 +96,26 @@ def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dic
                                argmax_equal=bool(all((logits[v].argmax(1) == dense.argmax(1)).all()
                                                      for v in VARIANTS)))
     live = jnp.ones((batch,), bool)
-    times: dict[tuple[str, str], list[float]] = {v: [] for v in VARIANTS}
-    nxt = dict.fromkeys(VARIANTS, tokens)
-    for _ in range(rounds):
-        for v in VARIANTS:
-            start = time.perf_counter()
-            caches[v], nxt[v], ok, _ = steps.decode_step(lm.forward, lm.params, caches[v],
-                                                         nxt[v], live, None, attention_impl=v[1])
-            nxt[v].block_until_ready()
-            times[v].append(time.perf_counter() - start)
-            assert bool(ok.all()), f"{v} failed to reserve"
-    del caches
-    for (kind, impl), t in times.items():
-        ms = 1e3 * statistics.median(t[args.warmup:])
-        row[f"{kind}_{impl}_ms"] = ms
-        row[f"{kind}_{impl}_tok_s"] = batch / ms * 1e3
+    state, oks = {v: (caches.pop(v), tokens) for v in VARIANTS}, []
+
+    def step(v: tuple[str, str]):
+        def call():
+            cache, last = state[v]
+            cache, nxt, ok, _ = steps.decode_step(lm.forward, lm.params, cache, last, live, None,
+                                                  attention_impl=v[1])
+            state[v] = (cache, nxt)
+            oks.append(ok)
+            return nxt
+        return call
+
+    timings = timed_rounds({v: step(v) for v in VARIANTS}, repeats=args.repeats,
+                           warmup=args.warmup)
+    assert all(bool(ok.all()) for ok in oks), "a decode step failed to reserve"
+    nxt = {v: state[v][1] for v in VARIANTS}
+    state.clear()
+    for (kind, impl), t in timings.items():
+        row[f"{kind}_{impl}_ms"] = 1e3 * t.median_s
+        row[f"{kind}_{impl}_tok_s"] = batch / t.median_s
     row["pallas_vs_xla"] = row["paged_xla_ms"] / row["paged_pallas_ms"]
     row["pallas_vs_dense"] = row["dense_xla_ms"] / row["paged_pallas_ms"]
     # timed steps run at the default precision (TF32 in XLA's einsums, f32 in the kernels), so

@@ -22,15 +22,14 @@ import importlib.metadata
 import json
 import pathlib
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.common import timed
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_decode_attention_reference
 from paxkv.attention.blocks import gather_pages
@@ -119,23 +118,12 @@ def implementations(args, q, k_pages, v_pages, table, lengths, interpret):
     return impls
 
 
-def median_seconds(fn, iters):
-    for _ in range(3):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def copy_rate(interpret) -> float:
     """Device-to-device bytes/s of ``x + 1`` over 1 GiB (read + write)."""
     n = (2**20 if interpret else 2**29)
     x = jnp.ones((n,), jnp.bfloat16)
     f = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
-    return 2 * x.nbytes / median_seconds(lambda: f(x), 10)
+    return 2 * x.nbytes / timed(lambda: f(x), repeats=10, warmup=3).median_s
 
 
 def run_point(args, point, copy_bps, interpret):
@@ -154,7 +142,7 @@ def run_point(args, point, copy_bps, interpret):
                 np.linalg.norm(ref, axis=-1), 1e-6)
             row.update(max_rel_err=float(err.max()), ok=bool(err.max() < 2e-2))
             if row["ok"]:
-                sec = median_seconds(fn, args.iters)
+                sec = timed(fn, repeats=args.iters, warmup=3).median_s
                 row.update(median_ms=1e3 * sec, gbps=kv_bytes / sec / 1e9,
                            frac_of_copy=kv_bytes / sec / copy_bps)
         except Exception as e:  # noqa: BLE001 - one failing baseline must not end the sweep

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from typing import Any
 
 import numpy as np
@@ -35,7 +34,7 @@ import numpy as np
 from paxkv import models
 import paxkv
 from experiments.accounting import CompileClock
-from experiments.common import (english_prompts, hf_generate, print_table, record,
+from experiments.common import (clock, english_prompts, hf_generate, print_table, record,
                                 token_agreement, write_json)
 
 TARGETS = dict(shared_kv_saving=0.9, ttft_speedup=5.0, vs_hf_static=2.5)
@@ -66,13 +65,14 @@ def _pass(engine: paxkv.Engine, prompts: list[list[int]], new: int, system: list
     record and the held prefix's id (cancel it when done)."""
     before = engine.stats()
     engine.peak_pages_used = 0
-    start = time.perf_counter()
-    holder = engine.submit_prefix(system) if fork else None
-    ids = [_submit(engine, p, new, system, holder) for p in prompts]
-    engine.step()  # everyone admitted, prefilled and one token decoded
-    shared = shared_part_pages(engine, len(system))
-    results = engine.run()
-    seconds = time.perf_counter() - start
+
+    def work() -> tuple[int | None, list[int], int, dict]:
+        holder = engine.submit_prefix(system) if fork else None
+        ids = [_submit(engine, p, new, system, holder) for p in prompts]
+        engine.step()  # everyone admitted, prefilled and one token decoded
+        return holder, ids, shared_part_pages(engine, len(system)), engine.run()
+
+    seconds, _, (holder, ids, shared, results) = clock(work)
     after = engine.stats()
     return dict(tokens=[results[i].token_ids for i in ids], seconds=seconds,
                 tok_s=len(prompts) * new / seconds, peak_pages=engine.peak_pages_used,
@@ -90,13 +90,12 @@ def _ttft(engine: paxkv.Engine, prompts: list[list[int]], system: list[int],
     first (a warm-up), with the compile time inside each step (``jax.monitoring``) taken out:
     users' own parts differ in length, so a later user may still hit a new prefill shape."""
     raw, compiled = [], []
-    with CompileClock() as clock:
+    with CompileClock() as compiling:
         for p in prompts:
             _submit(engine, p, 1, system, holder)
-            c0, start = clock.total, time.perf_counter()
-            engine.step()
-            raw.append(time.perf_counter() - start)
-            compiled.append(clock.total - c0)
+            c0 = compiling.total
+            raw.append(clock(engine.step)[0])
+            compiled.append(compiling.total - c0)
     net = [max(r - c, 0.0) for r, c in zip(raw, compiled)]
     return dict(median_s=statistics.median(net[1:]), raw_s=raw, compile_s=compiled)
 
@@ -188,17 +187,14 @@ def hf(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
         engine = paxkv.Engine(lm, max_seqs=len(prompts), max_len=max_len, page_size=16,
                               prefix_cache=on)
         ids = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
-        start = time.perf_counter()
-        results = engine.run()
-        seconds = time.perf_counter() - start
+        seconds, _, results = clock(engine.run)
         return dict(tokens=[results[i].token_ids for i in ids], seconds=seconds,
                     prefill_tokens=engine.stats().prefill_tokens,
                     peak_pages=engine.peak_pages_used)
 
     def hf_pass() -> dict[str, Any]:
-        start = time.perf_counter()
-        tokens = hf_generate(model, pad, prompts, new)
-        return dict(tokens=tokens, seconds=time.perf_counter() - start)
+        seconds, _, tokens = clock(hf_generate, model, pad, prompts, new)
+        return dict(tokens=tokens, seconds=seconds)
 
     for on in (True, False):
         paxkv_pass(on)  # warm-up: compiles

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import time
 from typing import Any
 
 import jax
@@ -37,7 +36,7 @@ import numpy as np
 
 from paxkv import models
 from experiments.accounting import provenance
-from experiments.common import print_table, record, write_json
+from experiments.common import clock, print_table, record, write_json
 from paxkv import dense_cache, page_table as pt, paged_cache, pool as kv_pool, steps
 from paxkv.step_info import StepInfo
 
@@ -113,14 +112,6 @@ def _copy(tree: Any) -> Any:
     return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), tree))
 
 
-def _timed(fn, *args) -> tuple[float, float, Any]:
-    """(wall s, process CPU s, result): CPU time is what the process itself burned, which
-    other tenants of a shared machine inflate far less than wall time."""
-    w0, c0 = time.perf_counter(), time.process_time()
-    out = jax.block_until_ready(fn(*args))
-    return time.perf_counter() - w0, time.process_time() - c0, out
-
-
 def interleaved_repeat(lm: Any, starts: dict[str, tuple[Any, jax.Array]], live: jax.Array,
                        qkv: tuple[jax.Array, ...], out_len: int, sink: dict, rep: int
                        ) -> dict[str, np.ndarray]:
@@ -134,7 +125,7 @@ def interleaved_repeat(lm: Any, starts: dict[str, tuple[Any, jax.Array]], live: 
     tokens: dict[str, list] = {k: [] for k in KINDS}
     for order in orders:
         for kind in order:
-            w, c, (cache, tok, _, _) = _timed(decode, *state[kind], live, None)
+            w, c, (cache, tok, _, _) = clock(decode, *state[kind], live, None)
             state[kind] = (cache, tok)
             sink[kind]["full"].append((w, c))
             tokens[kind].append(np.asarray(tok))
@@ -142,15 +133,15 @@ def interleaved_repeat(lm: Any, starts: dict[str, tuple[Any, jax.Array]], live: 
         caches = {k: _copy(starts[k][0]) for k in KINDS}
         for order in orders:
             for kind in order:
-                w, c, (caches[kind], _) = _timed(fn, caches[kind], *extra)
+                w, c, (caches[kind], _) = clock(fn, caches[kind], *extra)
                 sink[kind][piece].append((w, c))
         del caches
     for _ in orders:
-        w, c, _ = _timed(_reserve_table, starts["paged"][0].table, live)
+        w, c, _ = clock(_reserve_table, starts["paged"][0].table, live)
         sink["paged"]["table"].append((w, c))
     cache = _copy(starts["paged"][0])
     for _ in orders:
-        w, c, (cache, _) = _timed(_reserve_noscrub, cache, live)
+        w, c, (cache, _) = clock(_reserve_noscrub, cache, live)
         sink["paged"]["noscrub"].append((w, c))
     del cache
     return {k: np.stack(v) for k, v in tokens.items()}
@@ -189,12 +180,12 @@ def measure(lm: Any, batch: int, *, max_len: int = 256, page_size: int = 16, rep
         tokens = interleaved_repeat(lm, starts, live, qkv, out_len, sink, rep)
     out: dict[str, Any] = dict(batch=batch, samples=len(times["paged"]["full"]),
                                prompt_lengths=[len(p) for p in prompts])
-    for clock, which in (("wall", 0), ("cpu", 1)):
+    for timer, which in (("wall", 0), ("cpu", 1)):
         ms = {kind: _medians(times[kind], which) for kind in KINDS}
         for kind in KINDS:
             ms[kind]["rest"] = ms[kind]["full"] - ms[kind]["reserve"] - ms[kind]["attention"]
-        out[f"{clock}_ms"] = ms
-        out[f"{clock}_ratio"] = ms["paged"]["full"] / ms["dense"]["full"]
+        out[f"{timer}_ms"] = ms
+        out[f"{timer}_ratio"] = ms["paged"]["full"] / ms["dense"]["full"]
     out["wall_min_ratio"] = (min(w for w, _ in times["paged"]["full"])
                              / min(w for w, _ in times["dense"]["full"]))
     out["tokens_identical"] = bool(np.array_equal(tokens["paged"], tokens["dense"]))
@@ -206,27 +197,27 @@ def measure(lm: Any, batch: int, *, max_len: int = 256, page_size: int = 16, rep
 
 
 def report(results: list[dict[str, Any]]) -> None:
-    for clock in ("wall", "cpu"):
+    for timer in ("wall", "cpu"):
         rows = []
         for r in results:
-            p, d = r[f"{clock}_ms"]["paged"], r[f"{clock}_ms"]["dense"]
-            ratio = r[f"{clock}_ratio"]
+            p, d = r[f"{timer}_ms"]["paged"], r[f"{timer}_ms"]["dense"]
+            ratio = r[f"{timer}_ratio"]
             rows.append([r["batch"], f"{p['full']:.1f}", f"{d['full']:.1f}", f"{ratio:.3f}",
                          f"{p['table']:.2f}", f"{p['reserve']:.2f}", f"{d['reserve']:.2f}",
                          f"{p['attention']:.1f}", f"{d['attention']:.1f}", f"{p['rest']:.1f}",
                          f"{d['rest']:.1f}",
                          "yes" if r["tokens_identical"] else "NO",
                          "met" if ratio <= TARGET_RATIO else "NOT met"])
-        print(f"\n{clock} time, median ms per step")
+        print(f"\n{timer} time, median ms per step")
         print_table(["batch", "paged step", "dense step", "paged/dense", "paged table",
                      "paged reserve", "dense reserve", "paged attn", "dense attn",
                      "paged rest", "dense rest", "same tokens",
                      f"target <= {TARGET_RATIO:.2f}"], rows)
     rows = []
     for r in results:
-        for clock in ("cpu", "wall"):
-            p = r[f"{clock}_ms"]["paged"]
-            rows.append([r["batch"], clock, f"{p['table']:.2f}", f"{p['noscrub']:.2f}",
+        for timer in ("cpu", "wall"):
+            p = r[f"{timer}_ms"]["paged"]
+            rows.append([r["batch"], timer, f"{p['table']:.2f}", f"{p['noscrub']:.2f}",
                          f"{p['reserve']:.2f}",
                          f"{100 * (p['reserve'] - p['table']) / p['full']:.1f}%"])
     print("\npaged reserve, median ms: page table only / + copy-on-write copies (scrub=False) / "

@@ -1,14 +1,17 @@
-"""Random page-table traffic with cancellations (part 1 of ``experiments.cancel``).
+"""The page table's invariant checker, and random page-table traffic with cancellations
+(part 1 of ``experiments.cancel``).
 
-Jitted ``reserve`` / ``release`` / ``fork`` / ``retain`` on a small table, a plain-Python record
-of what each row is doing, and after every cancel the free pages counted before and after the
-one ``release`` call against the pages only that row held.
+:func:`table_errors` is the one checker of a table's invariants (the page-table tests use it
+too). :func:`random_ops` runs jitted ``reserve`` / ``release`` / ``fork`` / ``retain`` on a
+small table with a plain-Python record of what each row is doing, and after every cancel
+counts the free pages before and after the one ``release`` call against the pages only that
+row held.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,7 @@ _reserve = jax.jit(pt.reserve, static_argnames=("max_new",))
 _release = jax.jit(pt.release)
 _fork = jax.jit(pt.fork)
 _retain = jax.jit(pt.retain)
+_stats = jax.jit(pt.stats)
 
 
 def host_table(table: pt.PageTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -27,23 +31,48 @@ def host_table(table: pt.PageTable) -> tuple[np.ndarray, np.ndarray, np.ndarray,
             np.asarray(table.ref_counts), np.asarray(table.active))
 
 
-def check_invariants(table: pt.PageTable, holds: collections.Counter) -> list[str]:
-    """Ref counts equal table entries plus index holds; inactive rows are empty."""
+def table_errors(table: pt.PageTable, external: Mapping[int, int] | None = None) -> list[str]:
+    """What is wrong with ``table`` (nothing: ``[]``), given the references ``external``
+    holders took with ``retain`` (page -> count, e.g. a prefix index). The invariants:
+
+    * row ``b`` holds ``ceil(lengths[b] / page_size)`` real pages, each once, then the
+      sentinel; an inactive row holds nothing; no row is longer than ``max_len``;
+    * a page's ref count = the table cells naming it + its external holds: nothing leaks
+      and nothing is counted twice;
+    * no row names a free page (ref count 0), and ``page_table.stats`` counts free + used =
+      all pages, free = the pages with ref count 0.
+
+    The one checker of the table: ``tests/test_page_table.py``'s state machine asserts it after
+    every operation, and ``experiments.cancel`` checks it under random traffic.
+    """
     bt, lengths, refs, active = host_table(table)
-    count = np.zeros(table.num_pages + 1, int)
-    for row in np.flatnonzero(active):
-        n = -(-int(lengths[row]) // table.page_size)
-        np.add.at(count, bt[row, :n], 1)
-        if (bt[row, n:] != table.sentinel).any():
-            return [f"row {row} has pages past its length"]
-    for page, k in holds.items():
-        count[page] += k
+    n = table.num_pages
+    held = -(-lengths // table.page_size)
+    cells = np.arange(table.max_pages_per_seq)[None, :] < held[:, None]
+    named = bt[cells]
     errors = []
-    if (count[:-1] != refs).any():
-        bad = np.flatnonzero(count[:-1] != refs)
-        errors.append(f"ref counts differ from holders at pages {bad}")
-    if (lengths[~active] != 0).any() or (bt[~active] != table.sentinel).any():
-        errors.append("an inactive row holds something")
+    if not np.all((named >= 0) & (named < n)):
+        errors.append("a held cell points outside the pool")
+    if not np.all(bt[~cells] == table.sentinel):
+        errors.append(f"rows {np.flatnonzero((bt != table.sentinel) & ~cells)} have cells "
+                      "past ceil(length / page_size)")
+    if np.any(lengths[~active] != 0) or np.any(lengths < 0) or np.any(lengths > table.max_len):
+        errors.append("an inactive row has a length, or a length is out of range")
+    expected = np.bincount(np.clip(named, 0, n), minlength=n + 1)[:n]
+    for page, count in (external or {}).items():
+        expected[page] += count
+    if np.any(refs != expected):
+        errors.append(f"ref counts differ from holders at pages {np.flatnonzero(refs != expected)}")
+    if np.any(refs < 0) or np.any(refs[np.clip(named, 0, n - 1)] <= 0):
+        errors.append("a negative ref count, or a row names a free page")
+    twice = [b for b in range(table.max_seqs) if len(set(bt[b, :held[b]])) != held[b]]
+    if twice:
+        errors.append(f"rows {twice} hold a page twice")
+    stats = jax.device_get(_stats(table))
+    if int(stats.free_pages) + int(stats.used_pages) != n or (
+            int(stats.free_pages) != int(np.sum(refs == 0))):
+        errors.append(f"stats: {int(stats.free_pages)} free + {int(stats.used_pages)} used, "
+                      f"{int(np.sum(refs == 0))} pages with ref count 0, {n} pages")
     return errors
 
 
@@ -176,7 +205,7 @@ def random_ops(n_ops: int, *, seed: int = 0, max_seqs: int = 16, num_pages: int 
         getattr(world, op)()
         counts[op] += 1
         if (k + 1) % check_every == 0:
-            errors += [f"op {k}: {e}" for e in check_invariants(world.table, world.holds)]
+            errors += [f"op {k}: {e}" for e in table_errors(world.table, world.holds)]
             free = int(np.sum(np.asarray(world.table.ref_counts) == 0))
             peak_used = max(peak_used, num_pages - free)
     for row in np.flatnonzero(world.active()):
@@ -186,7 +215,7 @@ def random_ops(n_ops: int, *, seed: int = 0, max_seqs: int = 16, num_pages: int 
     for p, d in zip(pages, deltas):
         world.table = _retain(world.table, jnp.asarray([p]), -int(d))
     free = int(np.sum(np.asarray(world.table.ref_counts) == 0))
-    errors += check_invariants(world.table, collections.Counter())
+    errors += table_errors(world.table)
     by_kind = summarize_cancels(world.cancels)
     return dict(ops=n_ops, op_counts=dict(counts), cancels=by_kind,
                 all_freed_in_same_call=all(s["wrong"] == 0 for s in by_kind.values()),

@@ -28,7 +28,7 @@ from paxkv import accounting, buckets, dense_cache, paged_cache
 from paxkv.accounting import Counters, EngineStats, SequenceStats
 from paxkv.cache_ops import CacheOps
 from paxkv.prefix_sharing import SharedPrefixes
-from paxkv.protocol import check_model
+from paxkv.protocol import KVCache, check_model
 from paxkv.requests import GenerationResult, Request, RequestTable, StepOutput
 from paxkv.sampling import SamplingParams
 from paxkv.scheduler import Scheduler
@@ -41,7 +41,8 @@ class Engine:
 
     Args:
       model: a :class:`paxkv.protocol.Model` (``paxkv.models.load()``, or your own).
-      cache: "paged" or "dense" (the comparison twin).
+      cache: "paged", "dense" (the comparison twin), or a :class:`paxkv.protocol.KVCache`
+        you built (say NaN-filled, to prove no stray reads); the sizes below are then its own.
       max_seqs: cache rows (the most requests running at once).
       max_len: the most tokens (prompt + output) one request may hold.
       page_size, num_pages: paged layout; ``num_pages`` defaults to the dense reservation
@@ -54,28 +55,30 @@ class Engine:
         :meth:`clear_prefix_cache`.
     """
 
-    def __init__(self, model: Any, *, cache: str = "paged", max_seqs: int = 32,
+    def __init__(self, model: Any, *, cache: str | KVCache = "paged", max_seqs: int = 32,
                  max_len: int = 2048, page_size: int = 16, num_pages: int | None = None,
                  kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
                  prefill_chunk: int = 512, prefill_tokens: int = 4096, scrub: bool = True,
                  prefix_cache: bool | None = None):
         check_model(model)
-        if cache not in ("paged", "dense"):
-            raise ValueError(f"cache must be 'paged' or 'dense', got {cache!r}")
-        if prefix_cache and cache != "paged":
-            raise ValueError("prefix_cache needs cache='paged' (a dense row cannot be shared)")
         dims = dict(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
                     head_dim=model.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
-        if cache == "paged":
+        if isinstance(cache, KVCache):
+            kv = cache
+        elif cache == "paged":
             kv = paged_cache.create(
                 num_pages=num_pages or max_seqs * buckets.cdiv(max_len, page_size),
                 page_size=page_size, scrub=scrub, attention_impl=attention_impl, **dims)
-        else:
+        elif cache == "dense":
             kv = dense_cache.create(**dims)
+        else:
+            raise ValueError(f"cache must be 'paged', 'dense' or a KVCache, got {cache!r}")
+        if prefix_cache and not kv.shares_pages:
+            raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared)")
         self.model = model
         self.table = RequestTable(max_seqs)
         self.ops = CacheOps(kv)
-        use_index = cache == "paged" if prefix_cache is None else prefix_cache
+        use_index = kv.shares_pages if prefix_cache is None else prefix_cache
         self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
         self.counters = Counters()
         self.scheduler = Scheduler(model, self.table, self.ops, self.prefixes, self.counters,
@@ -204,7 +207,11 @@ class Engine:
         return self._result(self.table.get(request_id))
 
     def _hand_out(self) -> dict[int, GenerationResult]:
-        return {r.id: self._result(r) for r in self.table.pop_done()}
+        done = self.table.done()
+        results = {r.id: self._result(r) for r in done}
+        for r in done:
+            self.table.drop(r)
+        return results
 
     def _result(self, req: Request) -> GenerationResult:
         if req.n > 1 and req.children:
@@ -229,6 +236,12 @@ class Engine:
         """Pool, sharing and prefix-cache accounting now (see :class:`EngineStats`)."""
         return accounting.engine_stats(self.ops, self.table, self.counters,
                                        None if self.prefixes is None else self.prefixes.index)
+
+    def reset_stats(self) -> None:
+        """Zeroes the running totals and peaks (a timed run after a warm-up starts clean)."""
+        self.counters.__init__()
+        self.ops.peak_used = self.ops.cache.num_pages - self.ops.free
+        self.ops.cow_copies = 0
 
     def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         total = prompt_len + max_new_tokens

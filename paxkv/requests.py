@@ -161,12 +161,12 @@ class RequestTable:
             return False
         return all(self.is_done(self.requests[c]) for c in req.children if req.n > 1)
 
-    def pop_done(self) -> list[Request]:
-        """Removes and returns the done requests users see (not samples: they leave with
-        their request)."""
-        done = [r for r in self.requests.values() if r.sample_of is None and self.is_done(r)]
-        for r in done:
-            for c in (r.children if r.n > 1 else []):
-                self.requests.pop(c, None)
-            self.requests.pop(r.id)
-        return done
+    def done(self) -> list[Request]:
+        """The done requests users see (not samples: they leave with their request)."""
+        return [r for r in self.requests.values() if r.sample_of is None and self.is_done(r)]
+
+    def drop(self, req: Request) -> None:
+        """Forgets a done request and its samples."""
+        for c in (req.children if req.n > 1 else []):
+            self.requests.pop(c, None)
+        self.requests.pop(req.id)

@@ -45,7 +45,7 @@ class Scheduler:
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.new_tokens: dict[int, list[int]] = {}
         s = ops.max_seqs
-        self._last_token = np.zeros(s, np.int32)
+        self.last_tokens = np.zeros(s, np.int32)
         self._sampling = dict(temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
                               top_p=np.ones(s, np.float32), seed=np.zeros((s, 2), np.uint32))
 
@@ -183,12 +183,12 @@ class Scheduler:
             rows = np.full(width, live_rows[0], np.int32)
             rows[: live_rows.size] = live_rows
             qlen = (np.arange(width) < live_rows.size).astype(np.int32)
-            nxt_b, ok_b = self.ops.prefill(self.model, self._last_token[rows][:, None], rows,
+            nxt_b, ok_b = self.ops.prefill(self.model, self.last_tokens[rows][:, None], rows,
                                            qlen, self.sampling_for(rows), plan)
             nxt, ok = np.zeros(self.ops.max_seqs, np.int32), np.zeros(self.ops.max_seqs, bool)
             nxt[live_rows], ok[live_rows] = nxt_b[: live_rows.size], ok_b[: live_rows.size]
         else:
-            nxt, ok = self.ops.decode(self.model, self._last_token, live,
+            nxt, ok = self.ops.decode(self.model, self.last_tokens, live,
                                       self.sampling_for(None), plan)
         self.counters.decode_tokens += int(ok.sum())
         for row in np.flatnonzero(ok):
@@ -231,7 +231,7 @@ class Scheduler:
     def _append(self, req: Request, token: int) -> None:
         req.output.append(token)
         self.new_tokens.setdefault(req.id, []).append(token)
-        self._last_token[req.row] = token
+        self.last_tokens[req.row] = token
         if token in req.stop_ids:
             req.finish_reason = "stop"
         elif len(req.output) >= req.max_new_tokens:
@@ -298,5 +298,5 @@ class Scheduler:
         for child, r in zip(children, [row] + kids):
             self._place(child, r)
             child.cached = child.num_cached_tokens = cached
-            self._last_token[r] = child.tokens[-1]
+            self.last_tokens[r] = child.tokens[-1]
         self.table.waiting.extendleft(reversed(children[1 + len(kids):]))

@@ -21,6 +21,7 @@ import pytest
 from paxkv import models
 import paxkv
 from paxkv import paged_cache
+from paxkv.buckets import prefix_bucket
 from paxkv.beam_search import Beam, SearchResult, _stale, search
 
 WIDTH, NEW = 4, 16
@@ -175,12 +176,11 @@ def test_one_prompt_reads_its_pages_once_and_beams_are_unchanged(lm, prompts, mo
     seen = []
     real = bs._search
     monkeypatch.setattr(bs, "_search", lambda forward, params, cache, *a, **kw: (
-        seen.append(getattr(cache, "prefix_pages", None)), real(forward, params, cache, *a,
-                                                                **kw))[1])
+        seen.append(kw["plan"].prefix_pages), real(forward, params, cache, *a, **kw))[1])
     prompt = prompts[0] + prompts[3] + prompts[5]  # > 2 pages of 16
     got = {c: search(lm, [prompt], beam_width=3, max_new_tokens=6, cache=c)
            for c in ("paged", "dense")}
-    assert seen[0] == paged_cache.prefix_bucket(len(prompt) // 16) >= 2, seen
+    assert seen[0] == prefix_bucket(len(prompt) // 16) >= 2, seen
     paged, dense = got["paged"].beams[0], got["dense"].beams[0]
     assert [b.token_ids for b in paged] == [b.token_ids for b in dense]
     np.testing.assert_allclose([b.score for b in paged], [b.score for b in dense], rtol=1e-4)

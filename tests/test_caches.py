@@ -19,6 +19,7 @@ from pallas_kernels import reference as ref
 from paxkv.kv_storage import readable
 from paxkv import dense_cache, paged_cache
 from paxkv.full_attention import NoCache
+from paxkv.attention.plan import AttentionPlan
 from paxkv.step_info import StepInfo
 
 PAGE_SIZE = 4
@@ -187,10 +188,15 @@ def test_paged_equals_dense_and_reference_with_no_stray_reads(dtype):
     step = StepInfo.make(paged.lengths, live, 1)
     q, k, v = _qkv(rng, 1, dtype)
     _, _, full = _step(paged, dense, step, q, k, v, dtype, "decode")
-    paged_w, dense_w = paged.with_window(window), dense.with_window(window)
-    assert paged_w.window_pages == -(-window // PAGE_SIZE) < MAX_LEN // PAGE_SIZE
-    _, _, windowed = _step(paged_w, dense_w, step, q, k, v, dtype, "windowed decode")
-    assert_rows_close(windowed, full, dtype, "windowed vs whole row")
+    assert -(-window // PAGE_SIZE) < MAX_LEN // PAGE_SIZE
+    windowed = StepInfo.make(paged.lengths, live, 1, plan=AttentionPlan(window=window))
+    _, _, out = _step(paged, dense, windowed, q, k, v, dtype, "windowed decode")
+    assert_rows_close(out, full, dtype, "windowed vs whole row")
+    # A window shorter than a row is a wrong hint: the step must still read every key.
+    short = StepInfo.make(paged.lengths, live, 1, plan=AttentionPlan(window=PAGE_SIZE))
+    assert int(np.asarray(paged.lengths).max()) + 1 > PAGE_SIZE
+    _, _, out = _step(paged, dense, short, q, k, v, dtype, "decode, window too short")
+    assert_rows_close(out, full, dtype, "too-short window vs whole row")
 
 
 # -- donation and eager == jitted -----------------------------------------------------------

@@ -8,16 +8,32 @@ otherwise; the engine must produce the same tokens with the hint as without.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import paxkv
-from paxkv.attention import blocks
+from paxkv.attention import blocks, chunked
 from paxkv import paged_cache
-from paxkv import scheduler as sched
+from paxkv import buckets
+from paxkv.attention import paged_xla
+from paxkv.attention import plan as attention_plan
+from paxkv.attention.plan import AttentionPlan
 from paxkv.step_info import StepInfo
+
+# Scores of std ~3.6 (queries at scale 3, head_dim 16, sm_scale 0.3): a soft-cap of 5 bends
+# most of them, so ignoring it cannot pass.
+SM_SCALE, SOFT_CAP, Q_SCALE = 0.3, 5.0, 3.0
+
+
+def _rel_err(out: jax.Array, want: jax.Array) -> float:
+    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    err = np.linalg.norm(out - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
+    return float(err.max())
+
 
 CASES = [  # (batch, q_len, kv_heads, group, prefix_pages, page_size, rest_blocks, dtype)
     (5, 1, 2, 3, 3, 4, 4, jnp.float32),
@@ -26,8 +42,10 @@ CASES = [  # (batch, q_len, kv_heads, group, prefix_pages, page_size, rest_block
 ]
 
 
+@pytest.mark.parametrize("cap", [None, SOFT_CAP], ids=["uncapped", "capped"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:7])))
-def test_prefix_attention_equals_attention_over_all_keys(case):
+def test_prefix_attention_equals_attention_over_all_keys(case, cap):
+    """Both parts (shared pages, each row's own) take the scale and the soft-cap."""
     b, t, kvh, g, p, ps, m, dtype = case
     rng = np.random.default_rng(sum(case[:7]))
     d, prefix = 16, p * ps
@@ -35,7 +53,7 @@ def test_prefix_attention_equals_attention_over_all_keys(case):
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape), dtype)
 
-    q = normal(b, t, kvh * g, d)
+    q = (Q_SCALE * normal(b, t, kvh * g, d)).astype(dtype)
     k_prefix, v_prefix = normal(p, kvh, ps, d), normal(p, kvh, ps, d)
     k_rest, v_rest = normal(b, m, kvh, ps, d), normal(b, m, kvh, ps, d)
     lengths = rng.integers(prefix + t, prefix + m * ps + 1, b).astype(np.int32)
@@ -51,19 +69,49 @@ def test_prefix_attention_equals_attention_over_all_keys(case):
     v_rest = jnp.where(dead, jnp.nan, v_rest).astype(dtype)
 
     out = blocks.attend_blocks_with_prefix(q, k_prefix, v_prefix, k_rest, v_rest,
-                                        jnp.asarray(pos), jnp.asarray(lengths), sm_scale=0.3)
+                                           jnp.asarray(pos), jnp.asarray(lengths),
+                                           sm_scale=SM_SCALE, logit_soft_cap=cap)
     # The oracle: the prefix as every row's first blocks, then its own.
     tile = lambda x: jnp.broadcast_to(x[None], (b, *x.shape))  # noqa: E731
     k_all = jnp.concatenate([tile(k_prefix), k_rest], axis=1)
     v_all = jnp.concatenate([tile(v_prefix), v_rest], axis=1)
-    want = blocks.attend_blocks(q, k_all, v_all, jnp.asarray(pos), jnp.asarray(lengths),
-                             sm_scale=0.3)
-    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    oracle = functools.partial(blocks.attend_blocks, q, k_all, v_all, jnp.asarray(pos),
+                               jnp.asarray(lengths), sm_scale=SM_SCALE)
+    out = np.asarray(out, np.float32)
     assert np.isfinite(out).all()
     assert not out[-1, 1:].any(), "padding queries are zero"
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    err = np.linalg.norm(out - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
-    assert err.max() <= tol, err.max()
+    assert _rel_err(out, oracle(logit_soft_cap=cap)) <= tol
+    if cap is not None:
+        assert _rel_err(out, oracle()) > 0.1, "the cap must change the output"
+
+
+@pytest.mark.parametrize("cap", [None, SOFT_CAP], ids=["uncapped", "capped"])
+def test_shared_pages_partials_are_attention_over_the_prefix(cap):
+    """``attend_shared_pages`` (the cascade's shared part, prefill and decode) finished ==
+    ``attend_blocks`` over the prefix pages alone, all visible, with the same settings;
+    queries that are not live get empty partials."""
+    rng = np.random.default_rng(7)
+    n, kvh, g, p, ps, d = 5, 2, 3, 3, 4, 16
+    q = jnp.asarray(Q_SCALE * rng.standard_normal((n, kvh, g, d)), jnp.float32)
+    k_prefix, v_prefix = (jnp.asarray(rng.standard_normal((p, kvh, ps, d)), jnp.float32)
+                          for _ in range(2))
+    live = np.ones(n, bool)
+    live[3] = False
+    parts = chunked.Partial(*blocks.attend_shared_pages(q, k_prefix, v_prefix, jnp.asarray(live),
+                                                        sm_scale=SM_SCALE, logit_soft_cap=cap))
+    out = np.asarray(chunked.finish(parts, jnp.float32))  # [n, heads, d]
+    # The oracle: each query as a one-row batch at the prefix's end, over the prefix's pages.
+    oracle = functools.partial(
+        blocks.attend_blocks, q.reshape(n, 1, kvh * g, d),
+        jnp.broadcast_to(k_prefix[None], (n, p, kvh, ps, d)),
+        jnp.broadcast_to(v_prefix[None], (n, p, kvh, ps, d)),
+        jnp.full((n, 1), p * ps, jnp.int32), jnp.full(n, p * ps, jnp.int32), sm_scale=SM_SCALE)
+    want = np.asarray(oracle(logit_soft_cap=cap))[:, 0]
+    assert not out[3].any() and np.isneginf(np.asarray(parts.max)[3]).all()
+    assert _rel_err(out[live], want[live]) <= 1e-5
+    if cap is not None:
+        assert _rel_err(out[live], np.asarray(oracle())[live, 0]) > 0.1
 
 
 # -- the cache: the hint is checked inside the step ---------------------------------------
@@ -96,9 +144,10 @@ def _decode_outputs(cache: paged_cache.PagedCache, prefix_pages: int) -> np.ndar
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((ROWS, 1, 6, 8)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((ROWS, 1, 2, 8)), jnp.float32)
-    step = StepInfo.make(cache.lengths, jnp.ones(ROWS, jnp.int32), 1)
+    step = StepInfo.make(cache.lengths, jnp.ones(ROWS, jnp.int32), 1,
+                         plan=AttentionPlan(prefix_pages=prefix_pages))
     attend = jax.jit(lambda c, q, k: c.attend(0, q, k, k, step)[1])  # a fresh trace per call
-    return np.asarray(attend(cache.with_shared_prefix(prefix_pages), q, k))
+    return np.asarray(attend(cache, q, k))
 
 
 @pytest.mark.parametrize("share_all", [True, False], ids=["shared", "one-row-differs"])
@@ -107,8 +156,8 @@ def test_cache_takes_the_cascade_only_when_the_hint_holds(monkeypatch, share_all
     per_row = _decode_outputs(cache, 0)
     np.testing.assert_allclose(_decode_outputs(cache, 2), per_row, rtol=1e-5, atol=1e-6)
     # Poison the shared pages' partials to see which branch ran: NaN iff the cascade did.
-    real = paged_cache._shared_partial
-    monkeypatch.setattr(paged_cache, "_shared_partial",
+    real = paged_xla._shared_partial
+    monkeypatch.setattr(paged_xla, "_shared_partial",
                         lambda *a, **kw: jax.tree.map(lambda x: x * jnp.nan, real(*a, **kw)))
     marked = _decode_outputs(cache, 2)
     if share_all:
@@ -120,9 +169,9 @@ def test_cache_takes_the_cascade_only_when_the_hint_holds(monkeypatch, share_all
 
 
 def test_prefix_bucket_rounds_down_to_few_shapes():
-    assert [paged_cache.prefix_bucket(n) for n in (0, 1, 2, 3, 5, 7, 11, 25, 47, 100)] == [
+    assert [buckets.prefix_bucket(n) for n in (0, 1, 2, 3, 5, 7, 11, 25, 47, 100)] == [
         0, 1, 2, 3, 4, 6, 8, 24, 32, 96]
-    assert all(paged_cache.prefix_bucket(n) <= n for n in range(300))
+    assert all(buckets.prefix_bucket(n) <= n for n in range(300))
 
 
 def test_engine_tokens_equal_with_and_without_the_hint(lm, monkeypatch):
@@ -137,15 +186,15 @@ def test_engine_tokens_equal_with_and_without_the_hint(lm, monkeypatch):
                          "Say hi.", "What is 2 + 2?", "Define entropy.")]
     kw = dict(max_new_tokens=8, max_seqs=8, page_size=8, prefix_cache=True)
     hints: list[int] = []
-    real = sched.Scheduler._shared_prefix_pages
-    monkeypatch.setattr(sched.Scheduler, "_shared_prefix_pages",
-                        lambda self, stepping: hints.append(real(self, stepping)) or hints[-1])
+    real = attention_plan.shared_prefix_pages
+    monkeypatch.setattr(attention_plan, "shared_prefix_pages",
+                        lambda rows, ps: hints.append(real(rows, ps)) or hints[-1])
     hinted = paxkv.generate(lm, prompts, **kw)
     assert max(hints) >= 3, hints
     del hints[:]
     hinted_jit = paxkv.generate(lm, prompts, loop="jit", **kw)  # one hint for the whole loop
     assert max(hints) >= 3, hints
-    monkeypatch.setattr(sched.Scheduler, "_shared_prefix_pages", lambda self, stepping: 0)
+    monkeypatch.setattr(attention_plan, "shared_prefix_pages", lambda rows, ps: 0)
     plain = paxkv.generate(lm, prompts, **kw)
     assert [r.token_ids for r in hinted] == [r.token_ids for r in plain]
     assert [r.token_ids for r in hinted_jit] == [r.token_ids for r in plain]

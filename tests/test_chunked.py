@@ -3,6 +3,8 @@ and the cache's in-step check of its ``decode_chunks`` hint."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from paxkv.attention import chunked
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       paged_prefill_attention_reference)
 from paxkv import paged_cache
+from paxkv.attention.plan import AttentionPlan
 from paxkv.step_info import StepInfo
 
 
@@ -36,6 +39,18 @@ def _poisoned_pool(rng, block_tables: np.ndarray, lengths: np.ndarray, num_pages
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
 
 
+# A model's score settings off the defaults: a softmax scale and a Gemma-2 logit soft-cap. With
+# queries drawn at scale CAPPED_Q (scores of std ~3.6 at head_dim 16) the cap bends most scores.
+CAPPED = dict(sm_scale=0.3, logit_soft_cap=5.0)
+CAPPED_Q = 3.0
+
+
+def _assert_cap_matters(out: jax.Array, uncapped: jax.Array) -> None:
+    """The capped output is far from the uncapped one (same scale): a path that ignored the cap
+    could not match the capped reference."""
+    assert _rel_err(out, uncapped) > 0.1, _rel_err(out, uncapped)
+
+
 CASES = [  # (page_size, chunk_pages, max_tile, rows, pages per row, kv heads, group, dtype)
     (1, 8, 4, 5, 24, 1, 4, jnp.float32),
     (4, 1, 1, 3, 9, 2, 3, jnp.float32),
@@ -46,11 +61,13 @@ CASES = [  # (page_size, chunk_pages, max_tile, rows, pages per row, kv heads, g
 ]
 
 
+@pytest.mark.parametrize("capped", [False, True], ids=["default", "capped"])
 @pytest.mark.parametrize("case", CASES, ids=[f"ps{c[0]}-cp{c[1]}-tile{c[2]}" for c in CASES])
-def test_chunk_list_equals_the_per_row_reference(case):
+def test_chunk_list_equals_the_per_row_reference(case, capped):
     """Ragged lengths (idle rows, page edges, full rows), pages shared between rows, NaN in
     every slot no row holds, a list longer than needed: the same output as one softmax per
-    row over its gathered pages."""
+    row over its gathered pages, with the default score settings or a model's own
+    (``CAPPED``)."""
     page_size, chunk_pages, max_tile, rows, width, kv_heads, group, dtype = case
     rng = np.random.default_rng(page_size * 100 + chunk_pages)
     head_dim, num_pages = 16, rows * width + 2
@@ -65,19 +82,24 @@ def test_chunk_list_equals_the_per_row_reference(case):
         lengths[3] = chunk_pages * page_size  # exactly one chunk
     k, v = _poisoned_pool(rng, block_tables, lengths, num_pages, kv_heads, page_size, head_dim,
                           dtype)
-    q = jnp.asarray(rng.standard_normal((rows, kv_heads * group, head_dim)), dtype)
+    q_scale, settings = (CAPPED_Q, CAPPED) if capped else (1.0, {})
+    q = jnp.asarray(q_scale * rng.standard_normal((rows, kv_heads * group, head_dim)), dtype)
     needed = int(chunked.chunks_needed(lengths, start_page=0, page_size=page_size,
                                        chunk_pages=chunk_pages).sum())
     num_chunks, tile = chunked.list_shape(needed + 3, max_tile)  # some padding chunks too
     out = jax.jit(chunked.paged_decode_attention_chunked,
-                  static_argnames=("num_chunks", "chunk_pages", "tile_chunks"))(
+                  static_argnames=("num_chunks", "chunk_pages", "tile_chunks", "sm_scale",
+                                   "logit_soft_cap"))(
         q, k, v, block_tables, lengths, num_chunks=num_chunks, chunk_pages=chunk_pages,
-        tile_chunks=tile)
-    want = paged_decode_attention_reference(q, jnp.nan_to_num(k), jnp.nan_to_num(v),
-                                            block_tables, lengths)
+        tile_chunks=tile, **settings)
+    reference = functools.partial(paged_decode_attention_reference, q, jnp.nan_to_num(k),
+                                  jnp.nan_to_num(v), block_tables, lengths)
+    want = reference(**settings)
     assert out.dtype == dtype and np.isfinite(np.asarray(out, np.float32)).all()
     assert not np.asarray(out, np.float32)[2].any(), "an idle row is zero"
     assert _rel_err(out, want) <= (1e-5 if dtype == jnp.float32 else 2e-2)
+    if capped:
+        _assert_cap_matters(out, reference(sm_scale=CAPPED["sm_scale"]))
 
 
 def test_work_list_enumerates_each_rows_chunks_in_order():
@@ -156,9 +178,11 @@ def test_keys_partial_is_a_masked_softmax_of_transposed_keys():
     assert np.isneginf(np.asarray(parts.max)[2]).all()
 
 
-def test_query_tiles_equal_one_pass():
+@pytest.mark.parametrize("capped", [False, True], ids=["scaled", "capped"])
+def test_query_tiles_equal_one_pass(capped):
     """Prefill through (row, query tile) pieces: ragged queries, cached context before them,
-    padding queries, NaN in every slot no row holds."""
+    padding queries, NaN in every slot no row holds; a softmax scale alone or with a model's
+    soft-cap (``CAPPED``)."""
     rng = np.random.default_rng(5)
     page_size, rows, width, t = 8, 3, 40, 192  # tiles of 96 queries
     assert chunked.query_tile(t) == 96 and chunked.query_tile(100) == 100
@@ -169,14 +193,17 @@ def test_query_tiles_equal_one_pass():
     query_lengths = np.array([192, 192, 50], np.int32)
     k, v = _poisoned_pool(rng, block_tables, lengths, rows * width, 2, page_size, 16,
                           jnp.float32)
-    q = jnp.asarray(rng.standard_normal((rows, t, 6, 16)), jnp.float32)
+    q_scale, settings = (CAPPED_Q, CAPPED) if capped else (1.0, dict(sm_scale=0.25))
+    q = jnp.asarray(q_scale * rng.standard_normal((rows, t, 6, 16)), jnp.float32)
     step = StepInfo.make(lengths, query_lengths, t)
-    out = jax.jit(chunked.attend_in_query_tiles, static_argnames="sm_scale")(
-        q, k, v, block_tables, step.positions, step.lengths, sm_scale=0.25)
-    want = paged_prefill_attention_reference(q, jnp.nan_to_num(k), jnp.nan_to_num(v),
-                                             block_tables, lengths, query_lengths, sm_scale=0.25)
+    out = jax.jit(chunked.attend_in_query_tiles, static_argnames=("sm_scale", "logit_soft_cap"))(
+        q, k, v, block_tables, step.positions, step.lengths, **settings)
+    reference = functools.partial(paged_prefill_attention_reference, q, jnp.nan_to_num(k),
+                                  jnp.nan_to_num(v), block_tables, lengths, query_lengths)
     assert np.isfinite(np.asarray(out)).all()
-    assert _rel_err(out, want) <= 1e-5
+    assert _rel_err(out, reference(**settings)) <= 1e-5
+    if capped:
+        _assert_cap_matters(out, reference(sm_scale=CAPPED["sm_scale"]))
 
 
 # -- the cache: the decode_chunks hint is checked inside the step ----------------------------
@@ -207,9 +234,10 @@ def _decode(cache: paged_cache.PagedCache, hint: int | None) -> np.ndarray:
     rows = len(LENGTHS)
     q = jnp.asarray(rng.standard_normal((rows, 1, 6, 8)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((rows, 1, 2, 8)), jnp.float32)
-    step = StepInfo.make(cache.lengths, jnp.array([n > 0 for n in LENGTHS], jnp.int32), 1)
+    step = StepInfo.make(cache.lengths, jnp.array([n > 0 for n in LENGTHS], jnp.int32), 1,
+                         plan=AttentionPlan(decode_chunks=hint))
     attend = jax.jit(lambda c, q, k: c.attend(0, q, k, k, step)[1])  # a fresh trace per call
-    return np.asarray(attend(cache.with_decode_chunks(hint), q, k))
+    return np.asarray(attend(cache, q, k))
 
 
 def test_cache_uses_the_hinted_list_only_when_it_covers_the_rows(monkeypatch):

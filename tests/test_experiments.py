@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from paxkv import models
-from experiments import accounting, cancel, capacity, plots, read_floor, short
+from experiments import accounting, cancel, capacity, common, plots, reserve, short
 from paxkv.models.config import LlamaConfig
 from paxkv.models.llama import Llama
 from paxkv.full_attention import NoCache
@@ -139,35 +139,22 @@ def test_cancel_in_engine_and_forks_spare_the_others():
     assert fork["pages_leaked"] == 0 and any(fork["page_map"]["shared"])
 
 
-def test_read_floor_variants_read_every_page_once():
-    """The floor's variants read what attention reads: summed, the gathered and the sliced
-    K/V both equal the pool's live pages; attention, and the unpaged ceiling over the same
-    K/V laid out contiguously (keys transposed or not), equal the per-row reference."""
-    from pallas_kernels.reference import paged_decode_attention_reference
+def test_timed_rounds_interleave_and_keep_every_time():
+    calls = []
 
-    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
-    batch, context = 4, 64  # 4 pages a row, 16 in all, scattered; a list with no padding
-    rng = np.random.default_rng(0)
-    shape = (2, 17, 2, read_floor.PAGE_SIZE, 8)
-    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
-    q = jnp.asarray(rng.standard_normal((batch, 4, 8)), jnp.float32)
-    block_tables = jnp.asarray(rng.permutation(16).reshape(batch, 4).astype(np.int32))
-    lengths = jnp.full((batch,), context, jnp.int32)
-    fns = read_floor.variants(cfg, batch, context)
-    got = {name: float(f(q, k, v, block_tables, lengths)) for name, f in fns.items()}
-    live = float(jnp.sum(k[:, :16]) + jnp.sum(v[:, :16]))
-    assert got["gather"] == pytest.approx(live, rel=1e-5)
-    assert got["slice"] == pytest.approx(live, rel=1e-5)
-    want = sum(float(jnp.sum(paged_decode_attention_reference(q, k[i], v[i], block_tables,
-                                                               lengths))) for i in range(2))
-    assert got["attention"] == pytest.approx(want, rel=1e-4)
-    for transposed in (False, True):  # the unpaged ceiling computes the same attention
-        ks, vs = read_floor.unpaged_layers(k, v, block_tables, keys_transposed=transposed)
-        assert ks[1].shape == ((batch, 2, 8, context) if transposed else (batch, 2, context, 8))
-        got_unpaged = float(read_floor.unpaged_variant(transposed)(q, ks, vs))
-        assert got_unpaged == pytest.approx(want, rel=1e-4)
-    result = read_floor.run(cfg, batch, context, repeats=1, with_step=False)
-    assert result["attention_outputs_agree"] and result["rest_of_step_ms"] is None
-    assert set(result["variants"]) == {"attention", "gather", "slice", "unpaged",
-                                       "unpaged, K transposed"}
+    def fn(name):
+        return lambda: calls.append(name) or jnp.ones(3)
+
+    t = common.timed_rounds({"a": fn("a"), "b": fn("b")}, repeats=3, warmup=2)
+    assert calls == ["a", "b"] * 5  # one call of each per round, in order
+    for timing in t.values():
+        assert len(timing.warmup_s) == 2 and len(timing.times_s) == len(timing.cpu_times_s) == 3
+        assert timing.median_s == sorted(timing.times_s)[1] and min(timing.times_s) > 0
+    single = common.timed(fn("c"), repeats=1, warmup=0)
+    assert single.times_s == [single.median_s] and single.warmup_s == [] and calls[-1] == "c"
+
+
+def test_reserve_cost_allocates_on_every_call():
+    r = reserve.reserve_cost(64, 512, 16, repeats=3, warmup=1)
+    assert len(r["times_ms"]) == 4 and r["mean_pages_allocated"] > 0
+    assert 0 < r["pages_in_use"] < 512

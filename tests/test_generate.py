@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import paxkv
-from paxkv import paged_cache, steps
+from paxkv import paged_cache
 from paxkv.full_attention import NoCache
 from paxkv.step_info import StepInfo
 
@@ -36,16 +36,16 @@ def prompts(lm) -> list[list[int]]:
 
 
 def run_engine(lm, prompts, *, max_new_tokens, **kw):
-    """Runs an engine to the end and checks that it gives every page back."""
+    """Runs an engine to the end (EOS ignored) and checks that it gives every page back."""
     engine = paxkv.Engine(lm, max_len=kw.pop("max_len", 256), **kw)
-    ids = [engine.submit(p, max_new_tokens=max_new_tokens) for p in prompts]
+    ids = [engine.submit(p, max_new_tokens=max_new_tokens, stop_token_ids=[]) for p in prompts]
     results = engine.run()
     assert_all_free(engine)
     return [results[i] for i in ids], engine
 
 
 def assert_all_free(engine: paxkv.Engine) -> None:
-    assert int(steps.free_pages(engine.cache)) == engine.num_pages
+    assert int(engine.cache.free_pages()) == engine.cache.num_pages
     assert not bool(jnp.any(engine.cache.active))
     assert int(jnp.sum(engine.cache.lengths)) == 0
 
@@ -127,19 +127,17 @@ def test_exhaustion_queues_and_preempts(lm, prompts):
     tight, engine = run_engine(lm, prompts[:6], max_new_tokens=24, max_seqs=6, page_size=8,
                                num_pages=24)
     assert [r.token_ids for r in tight] == [r.token_ids for r in roomy]
-    assert engine.num_preemptions > 0
-    assert engine.peak_running < 6
+    assert engine.stats().preemptions > 0
+    assert engine.stats().peak_running < 6
 
 
 def test_nan_poisoned_free_pages_change_nothing(lm, prompts):
     clean, _ = run_engine(lm, prompts[:4], max_new_tokens=8, max_seqs=4, page_size=8)
-    engine = paxkv.Engine(lm, max_len=256, max_seqs=4, page_size=8)
-    cfg = lm.config
-    engine.cache = paged_cache.create(
-        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        num_pages=engine.num_pages, page_size=8, max_seqs=4, max_len=256, fill=jnp.nan,
-        scrub=False)
-    ids = [engine.submit(p, max_new_tokens=8) for p in prompts[:4]]
+    cache = paged_cache.create(
+        num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
+        num_pages=4 * 256 // 8, page_size=8, max_seqs=4, max_len=256, fill=jnp.nan, scrub=False)
+    engine = paxkv.Engine(lm, cache=cache)
+    ids = [engine.submit(p, max_new_tokens=8, stop_token_ids=[]) for p in prompts[:4]]
     results = engine.run()
     assert [results[i].token_ids for i in ids] == [r.token_ids for r in clean]
     assert_all_free(engine)
@@ -148,14 +146,14 @@ def test_nan_poisoned_free_pages_change_nothing(lm, prompts):
 def test_cancel_frees_pages_at_once_and_spares_others(lm, prompts):
     baseline, _ = run_engine(lm, prompts[:3], max_new_tokens=10, max_seqs=4, page_size=8)
     engine = paxkv.Engine(lm, max_len=256, max_seqs=4, page_size=8)
-    ids = [engine.submit(p, max_new_tokens=10) for p in prompts[:3]]
+    ids = [engine.submit(p, max_new_tokens=10, stop_token_ids=[]) for p in prompts[:3]]
     engine.step()
     engine.step()
-    before = int(steps.free_pages(engine.cache))
+    before = int(engine.cache.free_pages())
     held = int(paxkv.page_table.stats(engine.cache.table).used_pages)
     victim_len = len(prompts[1]) + 2
     engine.cancel(ids[1])
-    after = int(steps.free_pages(engine.cache))
+    after = int(engine.cache.free_pages())
     assert after - before == -(-victim_len // 8) and held > 0
     results = engine.run()
     assert results[ids[1]].finish_reason == "cancelled"
@@ -166,7 +164,7 @@ def test_cancel_frees_pages_at_once_and_spares_others(lm, prompts):
 
 def test_decode_step_donates_the_pool(lm, prompts):
     engine = paxkv.Engine(lm, max_len=256, max_seqs=4, page_size=8)
-    engine.submit(prompts[0], max_new_tokens=4)
+    engine.submit(prompts[0], max_new_tokens=4, stop_token_ids=[])
     engine.step()
     old = engine.cache
     engine.step()

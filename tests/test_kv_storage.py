@@ -19,8 +19,9 @@ import pytest
 
 import paxkv
 from paxkv import kv_storage
-from paxkv import dense_cache, paged_cache, steps
+from paxkv import dense_cache, paged_cache
 from paxkv import pool as kv_pool
+from paxkv.attention.plan import AttentionPlan
 from paxkv.step_info import StepInfo
 from tests.test_caches import _kv_buffers
 from tests.test_experiments import tiny_lm
@@ -83,12 +84,11 @@ def test_bits_cache_stores_and_attends_like_a_float32_cache_of_the_same_values(k
         num_new = jnp.asarray(num_new, jnp.int32)
         (bits, ok_b), (typed, ok_t) = (c.reserve(num_new, max_new=width) for c in (bits, typed))
         assert bool(ok_b.all()) and bool(ok_t.all())
-        info = StepInfo.make(bits.lengths, num_new, width)
+        info = StepInfo.make(bits.lengths, num_new, width,
+                             plan=AttentionPlan(prefix_pages=prefix_pages))
         q = jnp.asarray(rng.standard_normal((4, width, 6, 8)), jnp.float32)
         k, v = (jnp.asarray(rng.standard_normal((4, width, 2, 8)), jnp.bfloat16)
                 .astype(jnp.float32) for _ in range(2))  # values a bfloat16 holds
-        if kind == "paged":
-            bits, typed = (c.with_shared_prefix(prefix_pages) for c in (bits, typed))
         bits, out_b = attend_jit(bits, q, k, v, info)
         typed, out_t = attend_jit(typed, q, k, v, info)
         assert np.isfinite(np.asarray(out_b)).all(), "a stray read of a NaN slot"
@@ -111,12 +111,12 @@ def test_bits_cache_stores_and_attends_like_a_float32_cache_of_the_same_values(k
 
 def test_pallas_kernels_refuse_a_bits_pool_by_name():
     cache = paged_cache.create(num_layers=1, num_kv_heads=2, head_dim=8, max_seqs=2,
-                               max_len=8, num_pages=4, page_size=4, dtype=jnp.bfloat16)
+                               max_len=8, num_pages=4, page_size=4, dtype=jnp.bfloat16,
+                               attention_impl="pallas")
     cache, _ = cache.reserve(jnp.array([1, 0], jnp.int32), max_new=1)
     q, k = jnp.zeros((2, 1, 2, 8)), jnp.zeros((2, 1, 2, 8))
     with pytest.raises(ValueError, match="attention_impl='xla'"):
-        cache.attend(0, q, k, k, StepInfo.make(cache.lengths, jnp.array([1, 0]), 1),
-                     impl="pallas")
+        cache.attend(0, q, k, k, StepInfo.make(cache.lengths, jnp.array([1, 0]), 1))
 
 
 def test_an_engine_with_a_bfloat16_cache_holds_two_bytes_a_value_and_frees_every_page():
@@ -125,9 +125,9 @@ def test_an_engine_with_a_bfloat16_cache_holds_two_bytes_a_value_and_frees_every
     engine = paxkv.Engine(lm, max_seqs=2, max_len=48, page_size=4, kv_dtype=jnp.bfloat16)
     assert engine.cache.pool.k.dtype == BITS
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11] * 20]  # 3 requests on 2 rows: one queues
-    ids = [engine.submit(p, max_new_tokens=6) for p in prompts]
+    ids = [engine.submit(p, max_new_tokens=6, stop_token_ids=[]) for p in prompts]
     results = engine.run()
     assert [len(results[i].token_ids) for i in ids] == [6, 6, 6]
-    assert int(steps.free_pages(engine.cache)) == engine.num_pages, "a leaked page"
+    assert int(engine.cache.free_pages()) == engine.cache.num_pages, "a leaked page"
     values_per_page = 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim  # K and V
     assert engine.stats().kv_bytes_per_page == 2 * values_per_page

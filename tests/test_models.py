@@ -91,7 +91,7 @@ def prompts(lm: models.LanguageModel) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def forward(lm: models.LanguageModel):
     """``lm.forward`` jitted once per module (static flags as the decode loops pass them)."""
-    return jax.jit(lm.forward, static_argnames=("all_logits", "attention_impl"))
+    return jax.jit(lm.forward, static_argnames=("all_logits",))
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
 """The spec of the page table and the pool.
 
 A hypothesis state machine drives thousands of random operations (reserve, write, fork,
-copy-on-write, release, retain) through the jitted ops against a plain-Python model allocator,
-and after every one checks the table's invariants, the table against the model, and that every
-sequence reads back, through its block table, exactly the tokens it wrote. The unit tests below
-pin down exhaustion (a failed request leaves its rows bit-identical), scrubbing, and eager ==
-jitted.
+reorder, copy-on-write, release, retain) through the jitted ops against a plain-Python model
+allocator, and after every one checks the table's invariants (``experiments.table_ops``), the
+table against the model, and that every sequence reads back, through its block table, exactly
+the tokens it wrote. The unit tests below pin down exhaustion (a failed request leaves its rows
+bit-identical), scrubbing, and eager == jitted.
 
 The pool in these tests is tiny (1 layer, 1 kv head, head_dim 1), so each slot stores one token
 id: ``k`` holds the id and ``v`` the id + 0.5.
@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
                                  run_state_machine_as_test)
 
+from experiments.table_ops import table_errors
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
 
@@ -32,6 +33,7 @@ reserve_jit = jax.jit(pt.reserve, static_argnames="max_new")
 copy_on_write_jit = jax.jit(pt.copy_on_write)
 release_jit = jax.jit(pt.release)
 fork_jit = jax.jit(pt.fork)
+reorder_jit = jax.jit(pt.reorder)
 retain_jit = jax.jit(pt.retain)
 slot_mapping_jit = jax.jit(pt.slot_mapping)
 stats_jit = jax.jit(pt.stats)
@@ -194,6 +196,18 @@ class ModelAllocator:
                 self.active[c] = True
         return ok
 
+    def reorder(self, parents: list[int]) -> list[bool]:
+        """Row ``b`` becomes a copy of row ``parents[b]`` as it was before the call (pages,
+        length, tokens); a row whose parent is out of range or inactive is released."""
+        s = self.sz.max_seqs
+        ok = [0 <= p < s and self.active[p] for p in parents]
+        old = (self.pages, self.lengths, self.tokens)
+        self.pages = [list(old[0][p]) if o else [] for p, o in zip(parents, ok)]
+        self.lengths = [old[1][p] if o else 0 for p, o in zip(parents, ok)]
+        self.tokens = [list(old[2][p]) if o else [] for p, o in zip(parents, ok)]
+        self.active = list(ok)
+        return ok
+
     def block_tables(self) -> np.ndarray:
         bt = np.full((self.sz.max_seqs, self.sz.max_pages_per_seq), self.sz.num_pages, np.int32)
         for b, row in enumerate(self.pages):
@@ -216,28 +230,11 @@ class ModelAllocator:
 
 # -- invariants on a real table -------------------------------------------------------------
 def assert_table_invariants(table: pt.PageTable, external: collections.Counter | None = None):
-    """The invariants of the module docstring, from the table alone."""
-    bt, lengths = np.asarray(table.block_tables), np.asarray(table.lengths)
-    refs, active = np.asarray(table.ref_counts), np.asarray(table.active)
-    n, ps = table.num_pages, table.page_size
-    held = -(-lengths // ps)
-    cells = np.arange(table.max_pages_per_seq)[None, :] < held[:, None]
-    assert np.all((bt[cells] >= 0) & (bt[cells] < n)), "a held cell points outside the pool"
-    assert np.all(bt[~cells] == n), "row b holds exactly ceil(len/page_size) pages, then sentinel"
-    assert np.all(lengths[~active] == 0), "inactive rows have length 0 (and so all sentinel)"
-    assert np.all(lengths <= table.max_len)
-    expected = np.bincount(bt[cells], minlength=n)
-    for page, count in (external or {}).items():
-        expected[page] += count
-    assert_equal(refs, expected, "ref count != table entries + external holders")
-    assert np.all(refs >= 0)
-    assert np.all(refs[bt[cells]] > 0), "a row references a free page"
-    for b in range(table.max_seqs):
-        assert len(set(bt[b, :held[b]])) == held[b], f"row {b} holds a page twice"
-    stats = jax.device_get(stats_jit(table))
-    assert int(stats.free_pages) + int(stats.used_pages) == n, "free + used != total"
-    assert int(stats.free_pages) == int(np.sum(refs == 0))
-    return stats
+    """The table's invariants (``experiments.table_ops.table_errors``: the one checker, which
+    the cancellation experiment runs too); returns the table's stats."""
+    errors = table_errors(table, external)
+    assert not errors, errors
+    return jax.device_get(stats_jit(table))
 
 
 # -- the state machine ----------------------------------------------------------------------
@@ -335,7 +332,7 @@ class PageTableMachine(RuleBasedStateMachine):
     # One rule draws the operation from a fixed mix (hypothesis would otherwise switch whole
     # rules off per example, and most examples would never fork a live row).
     MIX = (("reserve",) * 5 + ("write",) * 4 + ("fork",) * 3 + ("release",) * 3
-           + ("copy_on_write",) * 2 + ("retain",) * 2)
+           + ("copy_on_write",) * 2 + ("retain",) * 2 + ("reorder",) * 2)
 
     @rule(data=st.data())
     def step(self, data):
@@ -374,6 +371,19 @@ class PageTableMachine(RuleBasedStateMachine):
         self.table, ok = fork_jit(self.table, np.asarray(parents, np.int32),
                                   np.asarray(children, np.int32))
         assert_equal(np.asarray(ok), self.model.fork(parents, children))
+
+    def _op_reorder(self, data):
+        """Beam search's reorder: each row continues a (mostly live) parent, itself, or is
+        dropped (-1, or a parent out of range or idle); several rows may share a parent."""
+        s = self.sz.max_seqs
+        active = [b for b in range(s) if self.model.active[b]]
+        pick = [st.sampled_from(active)] * 4 if active else []
+        parents = [data.draw(st.one_of(*pick, st.just(b), st.just(-1), st.integers(-1, s)))
+                   for b in range(s)]
+        # NOTE: as for fork, a parent's reserved slots are written before its pages are shared.
+        self._write([self.model.pending(b) if b in parents else 0 for b in range(s)])
+        self.table, ok = reorder_jit(self.table, np.asarray(parents, np.int32))
+        assert_equal(np.asarray(ok), self.model.reorder(parents))
 
     def _op_release(self, data):
         rows = data.draw(self._row_mask())
@@ -691,6 +701,7 @@ def test_eager_and_jitted_ops_agree():
     num_new = np.array([1, 4, 6, 1, 2, 0], np.int32)
     cow = np.array([False, False, True, True, False, True])
     parents, children = np.array([0, 2, 7], np.int32), np.array([1, 1, 0], np.int32)
+    beams = np.array([2, 2, -1, 0, 1, 6], np.int32)
     retained = np.array([0, 3, 12], np.int32)
     positions = np.full((6, sz.max_len), -1, np.int32)  # the state machine's write width
     positions[:, :3] = [[4, 5, -1], [0, 1, 2], [6, 7, 8], [-1, -1, -1], [5, 6, 7], [30, 2, 3]]
@@ -705,6 +716,7 @@ def test_eager_and_jitted_ops_agree():
         (lambda: pt.copy_on_write(table, cow), lambda: copy_on_write_jit(table, cow)),
         (lambda: pt.release(table, cow), lambda: release_jit(table, cow)),
         (lambda: pt.fork(table, parents, children), lambda: fork_jit(table, parents, children)),
+        (lambda: pt.reorder(table, beams), lambda: reorder_jit(table, beams)),
         (lambda: pt.retain(table, retained, 1), lambda: retain_jit(table, retained, 1)),
         (lambda: pt.slot_mapping(table, positions), lambda: slot_mapping_jit(table, positions)),
         (lambda: pt.stats(table), lambda: stats_jit(table)),

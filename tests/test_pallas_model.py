@@ -36,12 +36,13 @@ def test_attend_hands_the_whole_pool_to_the_kernels(monkeypatch):
     # As on a GPU: compile, do not interpret; store bfloat16 as itself (not as bits).
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     cache = paged_cache.create(num_layers=4, num_kv_heads=2, head_dim=64, num_pages=8,
-                               page_size=16, max_seqs=2, max_len=64, dtype=jnp.bfloat16)
+                               page_size=16, max_seqs=2, max_len=64, dtype=jnp.bfloat16,
+                               attention_impl="pallas")
     assert cache.pool.k.dtype == jnp.bfloat16
 
     def decode_layer(cache, q, k, v, layer):
         step = StepInfo.make(cache.lengths, jnp.ones((2,), jnp.int32), 1)
-        return cache.attend(layer, q, k, v, step, impl="pallas")
+        return cache.attend(layer, q, k, v, step)
 
     q = jax.ShapeDtypeStruct((2, 1, 6, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 1, 2, 64), jnp.bfloat16)

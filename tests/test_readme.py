@@ -7,6 +7,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+import paxkv
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -14,9 +16,22 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def test_readme_jitted_loop_runs_and_frees_every_page():
+def _block(snippet: str) -> str:
+    """The one Python block of the README that contains ``snippet`` (so adding a section
+    does not renumber the others)."""
+    found = [b for b in _python_blocks() if snippet in b]
+    assert len(found) == 1, f"{len(found)} README blocks contain {snippet!r}"
+    return found[0]
+
+
+def _run(block: str) -> dict:
     namespace: dict = {}
-    exec(compile(_python_blocks()[0], "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def test_readme_jitted_loop_runs_and_frees_every_page():
+    namespace = _run(_block("lm.forward(params, tokens, info, cache)"))
     cache, ok = namespace["cache"], namespace["ok"]
     assert bool(jnp.all(ok))
     assert int(jnp.sum(cache.table.ref_counts)) == 0
@@ -24,17 +39,27 @@ def test_readme_jitted_loop_runs_and_frees_every_page():
 
 
 def test_readme_generate_example_runs():
-    namespace: dict = {}
-    exec(compile(_python_blocks()[1], "README.md", "exec"), namespace)  # noqa: S102
+    namespace = _run(_block('paxkv.generate(lm, ["Hello"'))
     out = namespace["out"]
     assert len(out) == 2 and all(len(r.token_ids) >= 1 for r in out)
 
 
 def test_readme_sharing_example_runs():
-    namespace: dict = {}
-    exec(compile(_python_blocks()[2], "README.md", "exec"), namespace)  # noqa: S102
+    namespace = _run(_block("paxkv.beam_search("))
     outs, beams = namespace["outs"], namespace["beams"]
     assert [len(o.samples) for o in outs] == [2, 2]
     assert outs[1].num_cached_tokens > 0  # the second prompt found the system prompt cached
     scores = [b.score for b in beams[0]]
     assert len(scores) == 4 and scores == sorted(scores, reverse=True)
+
+
+def test_readme_own_model_loop_equals_the_engine():
+    """The "Bring your own model" block: a user's NNX model in a jitted loop and through the
+    engine gives the same greedy tokens, and every page is back in both pools."""
+    namespace = _run(_block("# bring-your-own-model"))
+    model, cache, engine = namespace["model"], namespace["cache"], namespace["engine"]
+    assert namespace["tokens"] == namespace["mine"] and len(namespace["mine"]) == 6
+    assert int(cache.free_pages()) == cache.num_pages
+    engine.clear_prefix_cache()
+    assert int(engine.cache.free_pages()) == engine.cache.num_pages
+    assert isinstance(model, paxkv.Model)

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import paxkv
-from paxkv import steps
 from paxkv.step_info import StepInfo
 
 TEXT = ("The library opens at nine in the morning and closes at eight in the evening on weekdays. "
@@ -35,7 +34,7 @@ def engine(lm, page_size: int, prefix_cache: bool, **kw) -> paxkv.Engine:
 
 def assert_all_free(eng: paxkv.Engine) -> None:
     eng.clear_prefix_cache()
-    assert int(steps.free_pages(eng.cache)) == eng.num_pages
+    assert int(eng.cache.free_pages()) == eng.cache.num_pages
     assert not bool(jnp.any(eng.cache.active))
     assert int(jnp.sum(eng.cache.lengths)) == 0
 
@@ -51,15 +50,13 @@ def _peek(forward, params, cache, tokens, live):
 
 def top5(lm, eng: paxkv.Engine) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Request id -> (top-5 next-token ids, their log-probs) for every decoding request."""
-    live = np.array([r is not None and r.decoding for r in eng._rows])
-    # The whole row: the last step's window need not cover the one more token fed here.
-    cache = eng.cache.with_window(None)
-    logp = np.asarray(_peek(lm.forward, lm.params, cache, jnp.asarray(eng._last_token),
-                            jnp.asarray(live)))
+    live = np.array([r is not None and r.decoding for r in eng.table.rows])
+    logp = np.asarray(_peek(lm.forward, lm.params, eng.cache,
+                            jnp.asarray(eng.scheduler.last_tokens), jnp.asarray(live)))
     out = {}
     for row in np.flatnonzero(live):
         ids = np.argsort(-logp[row])[:5]
-        out[eng._rows[row].id] = (ids, logp[row, ids])
+        out[eng.table.rows[row].id] = (ids, logp[row, ids])
     return out
 
 
@@ -165,24 +162,24 @@ def test_cancel_returns_only_its_own_pages(lm):
     rid = e.submit(prompt, n=3, **kw)
     for _ in range(3):
         e.step()
-    kids = e._requests[rid].children
+    kids = e.table.get(rid).children
     stats = e.stats()
     table = e.cache.table
-    row = e._requests[kids[1]].row
+    row = e.table.get(kids[1]).row
     held = -(-int(table.lengths[row]) // 16)
     pages = np.asarray(table.block_tables)[row, :held]
     alone = int(np.sum(np.asarray(table.ref_counts)[pages] == 1))
     assert stats.sequences[kids[1]].shared_pages == held - alone > 0
     assert stats.shared_pages > 0 and stats.row_references > stats.row_pages
-    free = int(steps.free_pages(e.cache))
+    free = int(e.cache.free_pages())
     shared = pages[np.asarray(table.ref_counts)[pages] > 1]
     e.cancel(kids[1])
-    assert int(steps.free_pages(e.cache)) - free == alone
+    assert int(e.cache.free_pages()) - free == alone
     assert np.all(np.asarray(e.cache.table.ref_counts)[shared] >= 1)  # still with the others
-    res = e.run()
-    assert res[kids[1]].finish_reason == "cancelled"
-    assert res[kids[0]].token_ids == baseline[0].token_ids
-    assert res[kids[2]].token_ids == baseline[2].token_ids
+    samples = e.run()[rid].samples  # samples are handed out with their request
+    assert samples[1].finish_reason == "cancelled"
+    assert samples[0].token_ids == baseline[0].token_ids
+    assert samples[2].token_ids == baseline[2].token_ids
     assert_all_free(e)
 
 
@@ -199,7 +196,7 @@ def test_explicit_prefix_is_prefilled_once_and_forked(lm):
     stats = e.stats()
     assert stats.prefill_tokens == len(prefix) + sum(map(len, own))
     assert stats.cow_copies == (len(own) if len(prefix) % 16 else 0)
-    assert int(steps.free_pages(e.cache)) == e.num_pages - -(-len(prefix) // 16)  # held
+    assert int(e.cache.free_pages()) == e.cache.num_pages - -(-len(prefix) // 16)  # held
     e.cancel(pid)
     assert_all_free(e)
     alone = engine(lm, 16, False)
@@ -213,14 +210,14 @@ def test_salts_isolate_tenants_and_clear_frees_all(lm):
     prompt = workload(lm, 16, seed=7)[0]
     e = engine(lm, 16, True)
     first = e.submit(prompt, max_new_tokens=4, cache_salt="tenant-a")
-    e.run()
-    assert e.stats().cached_pages > 0 and int(steps.free_pages(e.cache)) < e.num_pages
+    first_tokens = e.run()[first].token_ids
+    assert e.stats().cached_pages > 0 and int(e.cache.free_pages()) < e.cache.num_pages
     other = e.submit(prompt, max_new_tokens=4, cache_salt="tenant-b")
     same = e.submit(prompt, max_new_tokens=4, cache_salt="tenant-a")
     res = e.run()
     assert res[other].num_cached_tokens == 0
     assert res[same].num_cached_tokens == min(len(prompt) - 1, len(prompt) // 16 * 16)
-    assert res[first].token_ids == res[other].token_ids == res[same].token_ids
+    assert first_tokens == res[other].token_ids == res[same].token_ids
     assert e.clear_prefix_cache() > 0
     assert_all_free(e)
 
@@ -230,22 +227,23 @@ def test_tree_of_thought_forks_without_prefill(lm):
     prompt = workload(lm, 16, seed=8)[1]
     e = engine(lm, 16, False)
     root = e.submit(prompt, max_new_tokens=3, temperature=0.9, seed=1, hold=True)
-    e.run()
+    res = e.run()  # a held request is reported, and stays until forked or cancelled
     prefilled = e.stats().prefill_tokens
     mids = e.fork(root, 2, max_new_tokens=3, hold=True)
-    e.run()
+    res.update(e.run())
     leaves = [leaf for m in mids for leaf in e.fork(m, 2, max_new_tokens=3)]
     assert e.stats().sequences.keys() == set(leaves)
+    keys = {leaf: e.table.get(leaf).key_data for leaf in leaves}
+    prompts = {leaf: e.table.get(leaf).prompt_ids for leaf in leaves}
     e.cancel(leaves[3])  # prune one
-    res = e.run()
+    res.update(e.run())
     assert e.stats().prefill_tokens == prefilled  # nothing was prefilled again
     assert res[root].finish_reason == "length" and res[leaves[3]].finish_reason == "cancelled"
     assert_all_free(e)
     lone = engine(lm, 16, False)
     for leaf in leaves[:3]:
-        req = e._requests[leaf]
-        rid = lone.submit(req.prompt_ids, max_new_tokens=3, temperature=0.9,
-                          key=jnp.asarray(req.key_data))
+        rid = lone.submit(prompts[leaf], max_new_tokens=3, temperature=0.9,
+                          key=jnp.asarray(keys[leaf]))
         assert lone.run()[rid].token_ids == res[leaf].token_ids
     assert_all_free(lone)
 
@@ -266,7 +264,7 @@ def test_fifty_users_share_one_system_prompt(lm):
     stats = e.stats()
     shared = -(-len(system) // ps)
     unique = sum(-(-(len(system) + len(q) + new) // ps) - len(system) // ps for q in own)
-    assert e.peak_pages_used <= 1.1 * (shared + unique), (e.peak_pages_used, shared, unique)
+    assert e.stats().peak_pages_used <= 1.1 * (shared + unique), (e.stats().peak_pages_used, shared, unique)
     assert stats.prefill_tokens <= len(system) + sum(len(q) for q in own) + 50
     assert all(res[r].num_cached_tokens >= len(system) for r in rids[1:])
     assert_all_free(e)

@@ -29,12 +29,13 @@ attention cannot fall below ``gather`` without reading fewer bytes, and ``unpage
 same bytes and does the same products with no page table in the way: a paged layout that
 beat it would have to beat XLA's own contiguous path.
 
-Usage::
+Archived (out of the test suite): it answered its question on 2026-12-01 (see
+``experiments/LOG.md``) and is kept to re-check that answer on another machine. Usage::
 
-    python -m experiments.read_floor                        # batch 64, context 512 (~2 min)
-    python -m experiments.read_floor --batch 32 --context 2048 --repeats 21
-    python -m experiments.read_floor --in-order --quick      # rows' pages in order; smoke
-    python -m experiments.read_floor --no-step               # no model: the variants only
+    python -m experiments.archive.read_floor              # batch 64, context 512 (~2 min)
+    python -m experiments.archive.read_floor --batch 32 --context 2048 --repeats 21
+    python -m experiments.archive.read_floor --in-order --quick   # pages in order; smoke
+    python -m experiments.archive.read_floor --no-step     # no model: the variants only
 
 Writes ``results/read_floor.json`` and prints a table.
 """
@@ -44,7 +45,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 from typing import Any, Callable
 
 import jax
@@ -53,13 +53,14 @@ import numpy as np
 from jax import lax
 
 from paxkv import models
-from experiments.common import print_table, record, write_json
+from experiments.common import print_table, record, timed_rounds, write_json
 from paxkv.models.config import LlamaConfig
 from paxkv.models.gguf_loader import config_from_gguf, open_gguf
 from paxkv.attention import chunked
 from paxkv import paged_cache
 
 PAGE_SIZE = 16
+REST = "the step without attention"
 
 
 def default_config() -> LlamaConfig:
@@ -176,25 +177,25 @@ def unpaged_variant(keys_transposed: bool) -> Callable[..., jax.Array]:
 
 
 def rest_of_step(config: LlamaConfig, batch: int, context: int,
-                 steps: int) -> Callable[[], float]:
-    """A timer of the default model's decode step without attention (the sweep's
-    ``NoAttention`` step, XLA path) on a paged cache of ``batch`` rows holding about
-    ``context`` tokens; each call runs one donated step and returns its seconds. Room for
-    ``steps`` calls (each reserves a token). ``config`` must be the default model's (the
-    variants' attention shape)."""
-    from experiments import decode  # the model and the sweep's step: only with the step
+                 steps: int) -> Callable[[], jax.Array]:
+    """The default model's decode step without attention (the sweep's ``NoAttention`` step,
+    XLA path) on a paged cache of ``batch`` rows holding about ``context`` tokens; each call
+    runs one donated step and returns its tokens. Room for ``steps`` calls (each reserves a
+    token). ``config`` must be the default model's (the variants' attention shape)."""
+    from experiments import hashed_kv  # the model and the sweep's step: only with the step
 
     lm = models.load()
     if lm.config != config:
         raise ValueError("the step without attention is the default model's: run the "
                          "variants with its config (default_config()) or with_step=False")
-    state = dict(cache=decode.filled_cache(lm, "paged", batch, context, context - steps),
+    state = dict(cache=hashed_kv.filled_cache(lm, "paged", batch, context, context - steps),
                  tokens=jnp.zeros((batch,), jnp.int32))
 
-    def timed() -> float:
-        seconds, state["cache"] = decode.timed_no_attention(lm, state["cache"], state["tokens"])
-        return seconds
-    return timed
+    def step() -> jax.Array:
+        state["cache"], nxt, _ = hashed_kv.decode(lm, state["cache"], state["tokens"],
+                                                  no_attention=True)
+        return nxt
+    return step
 
 
 def run(config: LlamaConfig, batch: int, context: int, repeats: int, *,
@@ -224,19 +225,11 @@ def run(config: LlamaConfig, batch: int, context: int, repeats: int, *,
     for name, transposed in (("unpaged", False), ("unpaged, K transposed", True)):
         ks, vs = unpaged_layers(k, v, block_tables, keys_transposed=transposed)
         calls[name] = functools.partial(unpaged_variant(transposed), q, ks, vs)
-    sums = {name: float(call()) for name, call in calls.items()}  # compiles too
-    rest = rest_of_step(c, batch, context, repeats + 2) if with_step else None
-    if rest is not None:
-        rest()  # compile
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    rest_times: list[float] = []
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(call())
-            times[name].append(time.perf_counter() - start)
-        if rest is not None:
-            rest_times.append(rest())
+    sums = {name: float(call()) for name, call in calls.items()}
+    rest = {REST: rest_of_step(c, batch, context, repeats + 2)} if with_step else {}
+    timings = timed_rounds({**calls, **rest}, repeats=repeats, warmup=1)
+    rest_times = timings.pop(REST).times_s if with_step else []
+    times = {name: t.times_s for name, t in timings.items()}
     kv_bytes = 2 * c.num_layers * num_pages * c.num_kv_heads * PAGE_SIZE * c.head_dim * 4
     per_slice = _slice_pages(num_pages, width)
     read = dict.fromkeys(calls, kv_bytes)

@@ -1,0 +1,145 @@
+"""Caches that already hold a context of hashed K/V, and decode steps over them: what the
+decode sweep (``experiments.decode_sweep``) and the GPU model check (``experiments.gpu_model``)
+time and compare.
+
+A paged and a dense cache filled by :func:`filled_cache` hold identical K/V (the values depend
+only on layer, row, head, position and dim), so one step's logits must agree between them;
+:class:`NoAttention` is the same step with attention taken out (attention = full - it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxkv import dense_cache, kv_storage, page_table as pt, paged_cache, pool as kv_pool, steps
+from paxkv.step_info import StepInfo
+
+PAGE_SIZE = 16
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class NoAttention:
+    """A cache whose ``attend`` writes nothing and reads nothing: the step minus attention.
+
+    It returns ``q + mean_kv_heads(k + v)`` rather than zeros: constant zeros would let XLA drop
+    the q/k/v projections and RoPE, which would then be billed to attention.
+    """
+
+    inner: Any
+
+    lengths = property(lambda self: self.inner.lengths)
+    active = property(lambda self: self.inner.active)
+    max_seqs = property(lambda self: self.inner.max_seqs)
+    table = property(lambda self: getattr(self.inner, "table", None))
+
+    def reserve(self, num_new: jax.Array, *, max_new: int) -> tuple["NoAttention", jax.Array]:
+        inner, ok = self.inner.reserve(num_new, max_new=max_new)
+        return NoAttention(inner), ok
+
+    def attend(self, layer, q, k, v, step, *, impl: str = "xla"):
+        del layer, step, impl
+        return self, q + jnp.mean(k + v, axis=2, keepdims=True).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "salt"))
+def _hashed(shape: tuple[int, ...], salt: int, filled: jax.Array,
+            page_row: jax.Array | None = None, page_block: jax.Array | None = None) -> jax.Array:
+    """float32 values in [-1, 1) at positions ``< filled`` (zero beyond) that depend only on
+    (layer, row, kv head, position, dim) and ``salt``, so a paged pool ``[L, pages, H,
+    page_size, D]`` whose page ``p`` is block ``page_block[p]`` of row ``page_row[p]`` holds the
+    same K/V as a dense cache ``[L, rows, H, max_len, D]`` (no page maps: dense). Zeros past
+    the fill match what a scrubbed fresh page holds, so slots a no-attention step reserves but
+    never writes are equal in both layouts too."""
+    # NOTE: per-axis vectors broadcast together fuse into one loop; full-shape index arrays
+    # (a gather by an iota) would materialise a temporary as large as the pool.
+    axis = lambda i: jnp.arange(shape[i], dtype=jnp.uint32).reshape(  # noqa: E731
+        [-1 if j == i else 1 for j in range(5)])
+    layer, a, head, s, d = (axis(i) for i in range(5))
+    if page_row is None:
+        row, pos, held = a, s, True
+    else:  # a page of row -1 is free (or the sentinel)
+        per_page = lambda x: x.reshape(-1, 1, 1, 1)  # noqa: E731  [pages, 1, 1, 1]
+        row, held = per_page(page_row).astype(jnp.uint32), per_page(page_row) >= 0
+        pos = per_page(page_block).astype(jnp.uint32) * shape[3] + s
+    x = (((layer * 4099 + row) * 131 + head) * 65537 + pos) * 257 + d + jnp.uint32(salt) * 7919
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):  # murmur3 finaliser
+        x = (x ^ (x >> shift)) * jnp.uint32(mult)
+    x = x ^ (x >> 16)
+    value = (x >> 8).astype(jnp.float32) * (2.0 / (1 << 24)) - 1.0
+    return jnp.where(held & (pos < filled.astype(jnp.uint32)), value, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new",), donate_argnums=(0,))
+def _reserve(cache, num_new, *, max_new):
+    return cache.reserve(num_new, max_new=max_new)
+
+
+_table_reserve = jax.jit(pt.reserve, static_argnames=("max_new",), donate_argnums=(0,))
+
+
+def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int = 0,
+                 kv_dtype: Any = jnp.float32):
+    """A ``kind`` cache of ``batch`` rows, window ``context`` tokens, each row holding ``filled``
+    tokens (one jitted reserve) of hashed K/V (``salt`` changes the values), stored as a
+    ``kv_dtype`` cache stores them (bfloat16 on a CPU: its bits)."""
+    c = lm.config
+    storage = kv_storage.storage_dtype(kv_dtype)
+    stored = functools.partial(kv_storage.to_storage, storage=storage)
+    num_new = jnp.full((batch,), filled, jnp.int32)
+    if kind == "paged":
+        row_pages = -(-context // PAGE_SIZE)
+        table = pt.create(num_pages=batch * row_pages, page_size=PAGE_SIZE, max_seqs=batch,
+                          max_pages_per_seq=row_pages)
+        table, _, ok = _table_reserve(table, num_new, max_new=filled)
+        # Which (row, block) each page holds; free pages and the sentinel get row -1.
+        bt = np.asarray(table.block_tables)
+        page_row = np.full(table.num_pages + 1, -1, np.int32)
+        page_block = np.zeros(table.num_pages + 1, np.int32)
+        page_row[bt], page_block[bt] = np.arange(batch)[:, None], np.arange(row_pages)[None, :]
+        page_row[-1] = -1  # the sentinel: table padding points here
+        shape = (c.num_layers, table.num_pages + 1, c.num_kv_heads, PAGE_SIZE, c.head_dim)
+        k, v = (stored(_hashed(shape, 2 * salt + i, num_new[0], page_row, page_block))
+                for i in (0, 1))
+        cache = paged_cache.PagedCache(pool=kv_pool.KVPool(k=k, v=v), table=table, scrub=True)
+    else:
+        shape = (c.num_layers, batch, c.num_kv_heads, context, c.head_dim)
+        k, v = (stored(_hashed(shape, 2 * salt + i, num_new[0])) for i in (0, 1))
+        cache = dense_cache.DenseCache(k=k, v=v,
+                                       lengths=jnp.zeros((batch,), jnp.int32),
+                                       active=jnp.zeros((batch,), bool))
+        cache, ok = _reserve(cache, num_new, max_new=filled)
+    assert bool(ok.all()), "the fill reserve failed"
+    return cache.with_window(context)
+
+
+def kv_bytes(lm, batch: int, context: int, kv_dtype: Any = jnp.float32) -> int:
+    c = lm.config
+    return (2 * c.num_layers * batch * c.num_kv_heads * context * c.head_dim
+            * jnp.dtype(kv_dtype).itemsize)
+
+
+def decode(lm, cache, tokens, *, no_attention: bool = False):
+    """One donated ``steps.decode_step`` of every row (XLA attention): ``(cache, next tokens
+    [batch], ok [batch])``; with ``no_attention`` the same step through :class:`NoAttention`
+    wrapped around ``cache``."""
+    live = jnp.ones(tokens.shape, bool)
+    step_cache = NoAttention(cache) if no_attention else cache
+    out, nxt, ok, _ = steps.decode_step(lm.forward, lm.params, step_cache, tokens, live, None,
+                                        attention_impl="xla")
+    # NOTE: keep no wrapper alive: it would pin the donated buffers
+    return (out.inner if no_attention else out), nxt, ok
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "attention_impl"))
+def step_logits(forward, params, cache, tokens, attention_impl="xla"):
+    """float32 ``[batch, vocab]`` logits of one decode step of every row (cache not donated)."""
+    cache, _ = cache.reserve(jnp.ones(tokens.shape, jnp.int32), max_new=1)
+    step = StepInfo.make(cache.lengths, jnp.ones(tokens.shape, jnp.int32), 1)
+    return forward(params, tokens[:, None], step, cache, attention_impl=attention_impl)[0]

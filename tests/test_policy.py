@@ -1,0 +1,106 @@
+"""The engine's pure parts, with no model and no JAX step: bucketing rules, the policy's
+decisions, the attention plan builder and the request table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paxkv import buckets, policy
+from paxkv.attention.plan import AttentionPlan, plan_step, shared_prefix_pages
+from paxkv.requests import Request, RequestTable
+from paxkv.sampling import SamplingParams
+
+
+def test_fine_bucket_covers_the_longest_row_and_wastes_at_most_a_third():
+    seen = set()
+    for n in range(1, 2049):
+        w = buckets.fine(n, 64, 2048)
+        assert w >= n and w % 16 == 0
+        if n > 64:
+            assert (w - n) / w < 1 / 3  # a power-of-two window wastes up to 1/2
+        seen.add(w)
+    # Two shapes per doubling: 64, 96, 128, 192, ..., 1536, 2048.
+    assert sorted(seen) == [64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert buckets.fine(5000, 64, 2048) == 2048 and buckets.fine(1, 64, 100) == 64
+
+
+def test_token_buckets_are_powers_of_two():
+    assert [buckets.pow2(n, 16, 512) for n in (1, 16, 17, 300, 513)] == [16, 16, 32, 512, 512]
+    assert [buckets.prefix_bucket(n) for n in (0, 1, 2, 3, 5, 7, 13, 25)] == [
+        0, 1, 2, 3, 4, 6, 12, 24]
+
+
+def _req(rid: int, prompt: int, output: int = 0, **kw) -> Request:
+    r = Request.make(rid, list(range(prompt)), SamplingParams(max_new_tokens=8), frozenset(),
+                     np.zeros(2, np.uint32), **kw)
+    r.output = list(range(output))
+    return r
+
+
+def test_admission_counts_pages_past_the_cache_and_a_partial_copy():
+    assert policy.pages_to_admit(31, 0, 16) == 2  # 31 tokens + the first decoded one
+    assert policy.pages_to_admit(32, 0, 16) == 3
+    assert policy.pages_to_admit(40, 16, 16) == 2  # one full page cached
+    assert policy.pages_to_admit(40, 20, 16) == 2  # 1 new + a copy of the partial cached one
+    assert policy.admits(3, 3, busy=True) and not policy.admits(4, 3, busy=True)
+    assert policy.admits(4, 3, busy=False)  # alone, a request always gets its chance
+
+
+def test_prefill_batches_fit_the_token_budget_longest_first():
+    assert policy.prefill_width(100, 512) == 128 and policy.prefill_width(600, 512) == 512
+    assert policy.prefill_rows(128, 4096) == 32 and policy.prefill_rows(96, 4096) == 32
+    reqs = [_req(i, n) for i, n in enumerate([5, 50, 20])]
+    assert [r.id for r in policy.prefill_order(reqs)] == [1, 2, 0]
+    assert policy.decode_width(3, 64) == 8 and policy.decode_width(40, 64) == 64
+
+
+def test_the_youngest_request_is_preempted():
+    old, young = _req(0, 4), _req(1, 4)
+    old.admitted_at, young.admitted_at, old.row, young.row = 1, 5, 0, 1
+    assert policy.preemption_victim([old, young]) is young
+
+
+def test_plans_round_to_few_shapes_and_drop_useless_hints():
+    plan = plan_step(longest=100, max_len=2048, page_size=16)
+    assert plan == AttentionPlan(window=128)
+    with_prefix = plan_step(longest=300, max_len=2048, page_size=16, prefix_pages=8)
+    assert with_prefix.window == 128 + 192 and with_prefix.prefix_pages == 8
+    decode = plan_step(longest=300, max_len=2048, page_size=16, decode_lengths=[300, 20],
+                       max_seqs=64)
+    assert decode.decode_chunks == 4  # 3 + 1 chunks of 128, a power of two
+    whole = plan_step(longest=300, max_len=2048, page_size=16, decode_lengths=[300],
+                      max_seqs=1)
+    assert whole.decode_chunks is None  # no shorter than the row itself: no hint
+    assert shared_prefix_pages([[1] * 40, [1] * 35 + [2] * 5], 16) == 2
+    assert shared_prefix_pages([[1] * 40], 16) == 0
+    with pytest.raises(ValueError, match="window"):
+        AttentionPlan(window=0)
+
+
+def test_the_request_table_hands_out_done_requests_once():
+    table = RequestTable(max_seqs=2)
+    a, b = _req(table.new_id(), 3), _req(table.new_id(), 3)
+    b.n = 2
+    for r in (a, b):
+        table.add(r)
+    table.place(a, 0)
+    assert table.free_rows() == [1] and table.running() == [a]
+    a.finish_reason = "length"
+    assert table.done() == []  # still holds its row
+    table.vacate(a)
+    assert table.done() == [a]
+    table.drop(a)
+    assert table.done() == []
+    with pytest.raises(ValueError, match="unknown request id 0"):
+        table.get(a.id)
+    kids = [_req(table.new_id(), 3, sample_of=b.id) for _ in range(2)]
+    for k in kids:
+        table.add(k)
+    b.children, b.finish_reason = [k.id for k in kids], "forked"
+    kids[0].finish_reason = "stop"
+    assert table.done() == []  # a sample is still running
+    kids[1].finish_reason = "length"
+    assert table.done() == [b]
+    table.drop(b)
+    assert not table.requests  # samples leave with it

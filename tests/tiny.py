@@ -1,0 +1,42 @@
+"""A tiny random Llama (2 layers, 32 wide, byte "tokenizer") for tests about logic, not model
+quality: the engine's state machine and soak, the experiments' smoke tests."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxkv import models
+from paxkv.full_attention import NoCache
+from paxkv.models.config import LlamaConfig
+from paxkv.models.llama import Llama
+from paxkv.step_info import StepInfo
+
+
+class Bytes:
+    """Text <-> byte ids: enough tokenizer for prompts and results."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i % 256 for i in ids).decode("latin-1")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_lm(eos: tuple[int, ...] = (), scale: float = 0.3) -> models.LanguageModel:
+    """Vocab 256, hidden 32, 2 layers, 2 query heads over 1 kv head of 16; weights
+    N(0, ``scale``) (0.3 soon repeats one token; 1.0 keeps a greedy run varied, so a wrong
+    key or value shows in the tokens)."""
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=16, tie_word_embeddings=True,
+                      eos_token_ids=eos)
+    step = StepInfo.make(jnp.array([4]), jnp.array([4]), 4)
+    shapes = jax.eval_shape(lambda: Llama(cfg).init(jax.random.PRNGKey(0),
+                                                    jnp.zeros((1, 4), jnp.int32), step, NoCache()))
+    rng = np.random.default_rng(0)  # random weights without compiling flax's init
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, scale, s.shape), s.dtype), shapes)
+    return models.LanguageModel(cfg, params, Bytes(), "tiny")
