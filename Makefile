@@ -5,7 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test experiments clean
+# JAX's persistent compilation cache: a second run skips most compiles.
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax-cache
+
+.PHONY: demo test test-fast experiments clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +28,9 @@ demo: $(VENV)/.runtime
 test: $(VENV)/.testing
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
+# The edit-test loop: no HF oracle, no run of the 135M model, no soak.
+test-fast: $(VENV)/.testing
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not oracle and not model and not slow"
+
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results .pytest_cache .jax-cache

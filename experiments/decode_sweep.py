@@ -29,7 +29,7 @@ import numpy as np
 
 from paxkv import models
 from experiments.common import cpu_seconds, print_table, record, timed_rounds, write_json
-from experiments.hashed_kv import decode, filled_cache, kv_bytes, step_logits
+from experiments.hashed_kv import decode, filled_cache, kv_bytes, step_logits, window_plan
 
 TARGETS = dict(paged_vs_dense=0.9, attention_share=0.5)
 
@@ -55,7 +55,8 @@ def logits_check(lm, batch: int, context: int, kv_dtype: Any = jnp.float32) -> d
     for name, kind, salt in (("paged", "paged", 0), ("dense", "dense", 0),
                              ("control", "paged", 1)):
         cache = filled_cache(lm, kind, batch, context, context - 1, salt, kv_dtype)
-        logits[name] = np.asarray(step_logits(lm.forward, lm.params, cache, tokens))
+        logits[name] = np.asarray(step_logits(lm.forward, lm.params, cache, tokens,
+                                              window_plan(context)))
         del cache
     d = logits["dense"]
     rel = lambda x: np.linalg.norm(x - d, axis=1) / np.linalg.norm(d, axis=1)  # noqa: E731
@@ -91,7 +92,8 @@ def sweep_cell(lm, batch: int, context: int, args) -> dict[str, Any]:
         def step(kind: str, no_attention: bool):
             def call():
                 cache, tokens = state[kind]
-                cache, nxt, ok = decode(lm, cache, tokens, no_attention=no_attention)
+                cache, nxt, ok = decode(lm, cache, tokens, plan=window_plan(context),
+                                        no_attention=no_attention)
                 state[kind] = (cache, tokens if no_attention else nxt)
                 oks.append(ok)
                 if not no_attention:

@@ -7,8 +7,8 @@ weights; speed does not depend on the weights, and the correctness checks compar
 paths with each other on identical K/V:
 
 1. **prefill**: a batch of ragged random prompts through ``steps.prefill_step`` on a fresh
-   paged cache, once with ``attention_impl="pallas"`` (``write_kv`` + the prefill kernel) and
-   once with ``"xla"``; greedy next tokens must agree.
+   paged cache made with ``attention_impl="pallas"`` (``write_kv`` + the prefill kernel) and
+   one made with ``"xla"``; greedy next tokens must agree.
 2. **decode**: per (batch, context) cell, one cache of each kind filled with the same hashed K/V
    (``experiments.hashed_kv.filled_cache``); one step's logits of paged-pallas and paged-xla
    against dense (per-row relative error, float32 matmuls at "highest" precision: XLA's
@@ -33,7 +33,7 @@ import numpy as np
 
 from paxkv import models
 from experiments.common import print_table, timed_rounds, write_json
-from experiments.hashed_kv import filled_cache, step_logits
+from experiments.hashed_kv import filled_cache, step_logits, window_plan
 from paxkv.models.params import build_params, checkpoint_shapes
 from paxkv import paged_cache, steps
 
@@ -70,9 +70,10 @@ def prefill_check(lm: models.LanguageModel, batch: int, max_prompt: int) -> dict
     for impl in ("pallas", "xla"):
         cache = paged_cache.create(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                    head_dim=c.head_dim, num_pages=batch * (max_prompt // 16 + 1),
-                                   page_size=16, max_seqs=batch, max_len=max_prompt)
+                                   page_size=16, max_seqs=batch, max_len=max_prompt,
+                                   attention_impl=impl)
         _, nxt, ok, _ = steps.prefill_step(lm.forward, lm.params, cache, tokens, rows,
-                                           query_lengths, None, attention_impl=impl)
+                                           query_lengths, None)
         assert bool(ok.all()), f"{impl} prefill failed to reserve"
         out[impl] = np.asarray(nxt)
     return dict(batch=batch, max_prompt=max_prompt,
@@ -83,9 +84,11 @@ def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dic
     filled = context - (args.warmup + args.repeats) - 1
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, lm.config.vocab_size, batch),
                          jnp.int32)
-    caches = {v: filled_cache(lm, v[0], batch, context, filled) for v in VARIANTS}
+    plan = window_plan(context)
+    caches = {v: filled_cache(lm, v[0], batch, context, filled, attention_impl=v[1])
+              for v in VARIANTS}
     with jax.default_matmul_precision("highest"):  # XLA's einsums would otherwise run in TF32
-        logits = {v: np.asarray(step_logits(lm.forward, lm.params, caches[v], tokens, v[1]))
+        logits = {v: np.asarray(step_logits(lm.forward, lm.params, caches[v], tokens, plan))
                   for v in VARIANTS}
     dense = logits["dense", "xla"]
     rel = lambda x: float((np.linalg.norm(x - dense, axis=1)  # noqa: E731
@@ -102,7 +105,7 @@ def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dic
         def call():
             cache, last = state[v]
             cache, nxt, ok, _ = steps.decode_step(lm.forward, lm.params, cache, last, live, None,
-                                                  attention_impl=v[1])
+                                                  plan=plan)
             state[v] = (cache, nxt)
             oks.append(ok)
             return nxt

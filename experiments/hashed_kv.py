@@ -4,7 +4,8 @@ time and compare.
 
 A paged and a dense cache filled by :func:`filled_cache` hold identical K/V (the values depend
 only on layer, row, head, position and dim), so one step's logits must agree between them;
-:class:`NoAttention` is the same step with attention taken out (attention = full - it).
+:class:`NoAttention` is the same step with attention taken out (attention = full - it). Every
+step reads a window of the context (:func:`window_plan`, the step's attention plan).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv import dense_cache, kv_storage, page_table as pt, paged_cache, pool as kv_pool, steps
+from paxkv.attention.plan import AttentionPlan
 from paxkv.step_info import StepInfo
 
 PAGE_SIZE = 16
@@ -43,8 +45,11 @@ class NoAttention:
         inner, ok = self.inner.reserve(num_new, max_new=max_new)
         return NoAttention(inner), ok
 
-    def attend(self, layer, q, k, v, step, *, impl: str = "xla"):
-        del layer, step, impl
+    def free_pages(self) -> jax.Array:
+        return self.inner.free_pages()
+
+    def attend(self, layer, q, k, v, step, *, sm_scale=None, logit_soft_cap=None):
+        del layer, step, sm_scale, logit_soft_cap
         return self, q + jnp.mean(k + v, axis=2, keepdims=True).astype(q.dtype)
 
 
@@ -84,11 +89,18 @@ def _reserve(cache, num_new, *, max_new):
 _table_reserve = jax.jit(pt.reserve, static_argnames=("max_new",), donate_argnums=(0,))
 
 
+def window_plan(context: int) -> AttentionPlan:
+    """The attention plan of a step over rows of at most ``context`` tokens: read that window
+    (checked in the step: a longer row makes it read whole rows)."""
+    return AttentionPlan(window=context)
+
+
 def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int = 0,
-                 kv_dtype: Any = jnp.float32):
-    """A ``kind`` cache of ``batch`` rows, window ``context`` tokens, each row holding ``filled``
+                 kv_dtype: Any = jnp.float32, attention_impl: str = "xla"):
+    """A ``kind`` cache of ``batch`` rows of ``context`` tokens, each row holding ``filled``
     tokens (one jitted reserve) of hashed K/V (``salt`` changes the values), stored as a
-    ``kv_dtype`` cache stores them (bfloat16 on a CPU: its bits)."""
+    ``kv_dtype`` cache stores them (bfloat16 on a CPU: its bits). A paged cache attends through
+    ``attention_impl`` ("xla" or "pallas"; a dense cache has one path)."""
     c = lm.config
     storage = kv_storage.storage_dtype(kv_dtype)
     stored = functools.partial(kv_storage.to_storage, storage=storage)
@@ -107,7 +119,8 @@ def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int
         shape = (c.num_layers, table.num_pages + 1, c.num_kv_heads, PAGE_SIZE, c.head_dim)
         k, v = (stored(_hashed(shape, 2 * salt + i, num_new[0], page_row, page_block))
                 for i in (0, 1))
-        cache = paged_cache.PagedCache(pool=kv_pool.KVPool(k=k, v=v), table=table, scrub=True)
+        cache = paged_cache.PagedCache(pool=kv_pool.KVPool(k=k, v=v), table=table, scrub=True,
+                                       impl=paged_cache.resolve_impl(attention_impl))
     else:
         shape = (c.num_layers, batch, c.num_kv_heads, context, c.head_dim)
         k, v = (stored(_hashed(shape, 2 * salt + i, num_new[0])) for i in (0, 1))
@@ -116,7 +129,7 @@ def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int
                                        active=jnp.zeros((batch,), bool))
         cache, ok = _reserve(cache, num_new, max_new=filled)
     assert bool(ok.all()), "the fill reserve failed"
-    return cache.with_window(context)
+    return cache
 
 
 def kv_bytes(lm, batch: int, context: int, kv_dtype: Any = jnp.float32) -> int:
@@ -125,21 +138,22 @@ def kv_bytes(lm, batch: int, context: int, kv_dtype: Any = jnp.float32) -> int:
             * jnp.dtype(kv_dtype).itemsize)
 
 
-def decode(lm, cache, tokens, *, no_attention: bool = False):
-    """One donated ``steps.decode_step`` of every row (XLA attention): ``(cache, next tokens
-    [batch], ok [batch])``; with ``no_attention`` the same step through :class:`NoAttention`
-    wrapped around ``cache``."""
+def decode(lm, cache, tokens, *, plan: AttentionPlan, no_attention: bool = False):
+    """One donated ``steps.decode_step`` of every row (the cache's attention path, ``plan``'s
+    window): ``(cache, next tokens [batch], ok [batch])``; with ``no_attention`` the same step
+    through :class:`NoAttention` wrapped around ``cache``."""
     live = jnp.ones(tokens.shape, bool)
     step_cache = NoAttention(cache) if no_attention else cache
     out, nxt, ok, _ = steps.decode_step(lm.forward, lm.params, step_cache, tokens, live, None,
-                                        attention_impl="xla")
+                                        plan=plan)
     # NOTE: keep no wrapper alive: it would pin the donated buffers
     return (out.inner if no_attention else out), nxt, ok
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "attention_impl"))
-def step_logits(forward, params, cache, tokens, attention_impl="xla"):
-    """float32 ``[batch, vocab]`` logits of one decode step of every row (cache not donated)."""
+@functools.partial(jax.jit, static_argnames=("forward", "plan"))
+def step_logits(forward, params, cache, tokens, plan: AttentionPlan):
+    """float32 ``[batch, vocab]`` logits of one decode step of every row (cache not donated;
+    the cache's attention path, ``plan``'s window)."""
     cache, _ = cache.reserve(jnp.ones(tokens.shape, jnp.int32), max_new=1)
-    step = StepInfo.make(cache.lengths, jnp.ones(tokens.shape, jnp.int32), 1)
-    return forward(params, tokens[:, None], step, cache, attention_impl=attention_impl)[0]
+    step = StepInfo.make(cache.lengths, jnp.ones(tokens.shape, jnp.int32), 1, plan=plan)
+    return forward(params, tokens[:, None], step, cache)[0]

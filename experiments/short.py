@@ -5,7 +5,8 @@
 
 Every row holds a 1-5 token prompt (random, seed 0) and decodes 5 more tokens, so contexts stay
 at 1-10 tokens: the paged cache has no memory to win and only its bookkeeping to pay. Both
-caches read a 64-token window (the engine's smallest context bucket). Per batch, one start
+caches read a 64-token window (the engine's smallest context bucket: every step's attention
+plan is ``AttentionPlan(window=64)``), through the XLA path. Per batch, one start
 cache per kind is built (prompts fed by ``decode_step``); every repeat decodes from a fresh copy
 of it, and the repeats alternate the order paged/dense (A/B, B/A, ...). Timed pieces, each
 jitted on its own, blocked until ready, medians over every timed step:
@@ -38,11 +39,13 @@ from paxkv import models
 from experiments.accounting import provenance
 from experiments.common import clock, print_table, record, write_json
 from paxkv import dense_cache, page_table as pt, paged_cache, pool as kv_pool, steps
+from paxkv.attention.plan import AttentionPlan
 from paxkv.step_info import StepInfo
 
 KINDS = ("paged", "dense")
 TARGET_RATIO = 1.05
 WINDOW = 64
+PLAN = AttentionPlan(window=WINDOW)  # checked in every step (a longer row: whole rows read)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -69,7 +72,7 @@ def _attend_all(cache: Any, q: jax.Array, k: jax.Array, v: jax.Array, *,
     """Every layer's ``cache.attend`` for one decode token per row (the last held slot is
     rewritten, so the cache keeps its shape and lengths: every call does the same work)."""
     lengths = cache.lengths
-    step = StepInfo.make(lengths, (lengths > 0).astype(jnp.int32), 1)
+    step = StepInfo.make(lengths, (lengths > 0).astype(jnp.int32), 1, plan=PLAN)
 
     def body(layer, carry):
         cache, acc = carry
@@ -84,11 +87,9 @@ def make_cache(lm: Any, kind: str, batch: int, max_len: int, page_size: int) -> 
     dims = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 max_seqs=batch, max_len=max_len)
     if kind == "paged":
-        cache = paged_cache.create(num_pages=batch * -(-max_len // page_size),
-                                   page_size=page_size, **dims)
-    else:
-        cache = dense_cache.create(**dims)
-    return cache.with_window(WINDOW)
+        return paged_cache.create(num_pages=batch * -(-max_len // page_size),
+                                  page_size=page_size, attention_impl="xla", **dims)
+    return dense_cache.create(**dims)
 
 
 def fill_prompts(lm: Any, cache: Any, prompts: list[list[int]]) -> tuple[Any, jax.Array]:
@@ -103,7 +104,7 @@ def fill_prompts(lm: Any, cache: Any, prompts: list[list[int]]) -> tuple[Any, ja
     for t in range(width):
         live = jnp.asarray(t < lens)
         cache, out, _, _ = steps.decode_step(lm.forward, lm.params, cache,
-                                             jnp.asarray(grid[:, t]), live, None)
+                                             jnp.asarray(grid[:, t]), live, None, plan=PLAN)
         nxt = np.where(t == lens - 1, np.asarray(out), nxt)
     return cache, jnp.asarray(nxt)
 
@@ -118,7 +119,7 @@ def interleaved_repeat(lm: Any, starts: dict[str, tuple[Any, jax.Array]], live: 
     """``out_len`` steps of each piece from fresh copies of the start caches, alternating
     paged/dense step by step (the order flips every step and every repeat). Appends
     ``(wall, cpu)`` to ``sink[kind][piece]``; returns each kind's full-step greedy tokens."""
-    decode = functools.partial(steps.decode_step, lm.forward, lm.params)
+    decode = functools.partial(steps.decode_step, lm.forward, lm.params, plan=PLAN)
     attend = functools.partial(_attend_all, num_layers=lm.config.num_layers)
     orders = [KINDS if (s + rep) % 2 else KINDS[::-1] for s in range(out_len)]
     state = {k: (_copy(starts[k][0]), starts[k][1]) for k in KINDS}
@@ -149,7 +150,8 @@ def interleaved_repeat(lm: Any, starts: dict[str, tuple[Any, jax.Array]], live: 
 
 def xla_cost(lm: Any, start: tuple[Any, jax.Array], live: jax.Array) -> dict[str, float]:
     """XLA's static cost estimate of the compiled decode step (load-independent evidence)."""
-    lowered = steps.decode_step.lower(lm.forward, lm.params, start[0], start[1], live, None)
+    lowered = steps.decode_step.lower(lm.forward, lm.params, start[0], start[1], live, None,
+                                      plan=PLAN)
     cost = lowered.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return {"flops": float(cost.get("flops", 0)),

@@ -24,6 +24,13 @@ def pytest_configure(config: pytest.Config) -> None:
         oracle.set_cache_dir(cache.mkdir("paxkv_oracle"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test that loads the default model (``make test-fast`` skips them)."""
+    for item in items:
+        if {"lm", "hf"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+
+
 @pytest.fixture(scope="session")
 def lm() -> models.LanguageModel:
     """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, float32)."""

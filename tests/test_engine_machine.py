@@ -18,6 +18,7 @@ import resource
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
@@ -170,6 +171,7 @@ def test_engine_state_machine():
     assert OPS["count"] >= 2000, OPS["count"]
 
 
+@pytest.mark.slow
 def test_soak_ten_thousand_requests():
     """10,000 short requests through one engine (continuous batching, prefix hits, samples,
     preemption): the engine keeps only live requests, host memory stays flat, the compiled

@@ -6,8 +6,12 @@ import re
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import paxkv
+
+pytestmark = pytest.mark.model  # the examples load the default model
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -30,12 +34,24 @@ def _run(block: str) -> dict:
     return namespace
 
 
-def test_readme_jitted_loop_runs_and_frees_every_page():
+def test_readme_jitted_loop_gives_generate_s_tokens_and_frees_every_page():
     namespace = _run(_block("lm.forward(params, tokens, info, cache)"))
-    cache, ok = namespace["cache"], namespace["ok"]
+    cache, ok, lm = namespace["cache"], namespace["ok"], namespace["lm"]
     assert bool(jnp.all(ok))
     assert int(jnp.sum(cache.table.ref_counts)) == 0
     assert not bool(jnp.any(cache.active))
+    loop = np.stack([np.asarray(t) for t in namespace["tokens"]], axis=1)  # [2, 9]
+    want = paxkv.generate(lm, [namespace["a"], namespace["b"]], max_new_tokens=9,
+                          stop_token_ids=[])
+    assert loop.tolist() == [r.token_ids for r in want]
+
+
+def test_readme_streaming_loop_streams_every_token():
+    namespace = _run(_block("engine.step()"))
+    ids, engine, done = namespace["ids"], namespace["engine"], namespace["done"]
+    assert sorted(done) == sorted(ids) and not engine.table.requests  # handed out, dropped
+    assert all(namespace["streamed"][i] == done[i].token_ids for i in ids)
+    assert int(engine.cache.free_pages()) + engine.stats().cached_pages == engine.cache.num_pages
 
 
 def test_readme_generate_example_runs():
