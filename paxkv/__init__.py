@@ -15,7 +15,7 @@ The pieces, in the order data flows through them:
   it, through ``n`` samples and through :meth:`paxkv.Engine.fork` (trees of thought).
 """
 
-from paxkv import dense_cache, page_table, paged_cache, pool, prefix_cache, steps
+from paxkv import dense_cache, page_table, paged_cache, policy, pool, prefix_cache, steps
 from paxkv.attention.plan import AttentionPlan
 from paxkv.beam_search import Beam, beam_search
 from paxkv.dense_cache import DenseCache
@@ -33,6 +33,6 @@ __all__ = [
     "AttentionPlan", "Beam", "DenseCache", "Engine", "EngineStats", "GenerationResult",
     "KVCache", "KVPool", "Model", "PageTable", "PagedCache", "PoolUpdate", "PrefixIndex",
     "SamplingParams", "SequenceStats", "SharingStats", "StepInfo", "StepOutput", "TableStats",
-    "beam_search", "dense_cache", "generate", "page_table", "paged_cache", "pool",
+    "beam_search", "dense_cache", "generate", "page_table", "paged_cache", "policy", "pool",
     "prefix_cache", "steps",
 ]

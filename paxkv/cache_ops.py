@@ -96,6 +96,19 @@ class CacheOps:
         self.free = free
         self.peak_used = max(self.peak_used, self.cache.num_pages - free)
 
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raises a ``ValueError`` naming what to change when a request of ``prompt_len`` +
+        ``max_new_tokens`` tokens could never fit the cache, even alone."""
+        total, cache = prompt_len + max_new_tokens, self.cache
+        if total > cache.max_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens})"
+                             f" = {total} exceeds max_len={cache.max_len}: raise max_len or "
+                             "shorten the request")
+        pages = buckets.cdiv(total, cache.page_size)
+        if cache.shares_pages and pages > cache.num_pages:
+            raise ValueError(f"a request of {total} tokens needs {pages} pages but the pool "
+                             f"has num_pages={cache.num_pages}: raise it")
+
     def refresh_free(self) -> None:
         self._note_free(int(self.cache.free_pages()))
 

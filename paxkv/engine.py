@@ -27,6 +27,7 @@ import numpy as np
 from paxkv import accounting, buckets, dense_cache, paged_cache
 from paxkv.accounting import Counters, EngineStats, SequenceStats
 from paxkv.cache_ops import CacheOps
+from paxkv.policy import Growth
 from paxkv.prefix_sharing import SharedPrefixes
 from paxkv.protocol import KVCache, check_model
 from paxkv.requests import GenerationResult, Request, RequestTable, StepOutput
@@ -53,13 +54,15 @@ class Engine:
       prefix_cache: reuse cached full pages across requests (default: on for a paged cache).
         Cached pages stay after their requests finish, until evicted for room or dropped by
         :meth:`clear_prefix_cache`.
+      growth: how admission projects the running requests' growth
+        (:class:`paxkv.policy.Growth`; ``Growth(start=0, floor=0)`` admits whatever fits now).
     """
 
     def __init__(self, model: Any, *, cache: str | KVCache = "paged", max_seqs: int = 32,
                  max_len: int = 2048, page_size: int = 16, num_pages: int | None = None,
                  kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
                  prefill_chunk: int = 512, prefill_tokens: int = 4096, scrub: bool = True,
-                 prefix_cache: bool | None = None):
+                 prefix_cache: bool | None = None, growth: Growth | None = None):
         check_model(model)
         dims = dict(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
                     head_dim=model.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
@@ -82,7 +85,8 @@ class Engine:
         self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
         self.counters = Counters()
         self.scheduler = Scheduler(model, self.table, self.ops, self.prefixes, self.counters,
-                                   prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens)
+                                   growth or Growth(), prefill_chunk=prefill_chunk,
+                                   prefill_tokens=prefill_tokens)
 
     @property
     def cache(self) -> Any:
@@ -118,7 +122,7 @@ class Engine:
             if holder is None or not holder.is_prefix:
                 raise ValueError(f"prefix={prefix!r} is not a live id from submit_prefix()")
             prompt_ids = holder.prompt_ids + prompt_ids
-        self._check_length(len(prompt_ids), p.max_new_tokens)
+        self.ops.check_fits(len(prompt_ids), p.max_new_tokens)
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.model.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.model.vocab_size})")
         rid = self.table.new_id()
@@ -164,7 +168,7 @@ class Engine:
         p = SamplingParams.of(params or parent.params(), max_new_tokens=max_new_tokens,
                               temperature=temperature, top_k=top_k, top_p=top_p,
                               stop_token_ids=stop_token_ids)
-        self._check_length(len(parent.tokens), p.max_new_tokens)
+        self.ops.check_fits(len(parent.tokens), p.max_new_tokens)
         children = self.scheduler.spawn(parent, n, params=p, stops=p.stops(self.model),
                                         hold=hold)
         self.scheduler.branch(parent, children)
@@ -207,24 +211,10 @@ class Engine:
         return self._result(self.table.get(request_id))
 
     def _hand_out(self) -> dict[int, GenerationResult]:
-        done = self.table.done()
-        results = {r.id: self._result(r) for r in done}
-        for r in done:
-            self.table.drop(r)
-        return results
+        return self.table.hand_out(getattr(self.model, "decode", None))
 
     def _result(self, req: Request) -> GenerationResult:
-        if req.n > 1 and req.children:
-            samples = [self._result(self.table.requests[c]) for c in req.children]
-            first = samples[0]
-            return GenerationResult(first.token_ids, first.text, req.prompt_ids,
-                                    first.finish_reason, req.num_cached_tokens,
-                                    req.preemptions, samples)
-        decode = getattr(self.model, "decode", None)
-        kept = [t for t in req.output if t not in req.stop_ids]
-        return GenerationResult(list(req.output), decode(kept) if decode else "",
-                                req.prompt_ids, req.finish_reason or "running",
-                                req.num_cached_tokens, req.preemptions)
+        return self.table.result(req, getattr(self.model, "decode", None))
 
     # -- sharing and accounting -----------------------------------------------------------
     def clear_prefix_cache(self) -> int:
@@ -239,18 +229,6 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Zeroes the running totals and peaks (a timed run after a warm-up starts clean)."""
-        self.counters.__init__()
+        self.counters = self.scheduler.counters = Counters()
         self.ops.peak_used = self.ops.cache.num_pages - self.ops.free
         self.ops.cow_copies = 0
-
-    def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        total = prompt_len + max_new_tokens
-        cache = self.ops.cache
-        if total > cache.max_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens})"
-                             f" = {total} exceeds max_len={cache.max_len}: raise max_len or "
-                             "shorten the request")
-        if cache.shares_pages and buckets.cdiv(total, cache.page_size) > cache.num_pages:
-            raise ValueError(f"a request of {total} tokens needs "
-                             f"{buckets.cdiv(total, cache.page_size)} pages but the pool has "
-                             f"num_pages={cache.num_pages}: raise it")

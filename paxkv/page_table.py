@@ -17,7 +17,8 @@ an inactive row is all sentinel with length 0; row ``b`` holds exactly
 ``ceil(lengths[b] / page_size)`` pages.
 
 Allocation takes free pages in increasing id order with one cumsum over the pool (no per-page
-loops); requests are granted first-come (by row) all-or-nothing per sequence.
+loops); requests are granted first-come (by row) all-or-nothing per sequence. The accounting
+(:func:`stats`, :func:`sharing_stats`) lives in :mod:`paxkv.page_stats` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
+from paxkv.buckets import cdiv
+from paxkv.page_stats import SharingStats, TableStats, sharing_stats, stats  # noqa: F401
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -74,7 +74,7 @@ class PageTable:
 
     def pages_held(self) -> jax.Array:
         """int32 ``[max_seqs]``: pages each row references."""
-        return _cdiv(self.lengths, self.page_size)
+        return cdiv(self.lengths, self.page_size)
 
 
 def create(*, num_pages: int, page_size: int, max_seqs: int,
@@ -134,67 +134,93 @@ def reserve(table: PageTable, num_new: jax.Array, *, max_new: int,
       than remain free once earlier rows are served; those rows are unchanged. ``update``
       lists the fresh pages and the copies the pool must apply (:func:`paxkv.pool.apply`).
     """
-    ps, oob = table.page_size, table.num_pages + 1
     num_new = jnp.asarray(num_new, jnp.int32)
-    lengths = table.lengths
     held = table.pages_held()
-    new_len = lengths + num_new
-    growth = _cdiv(new_len, ps) - held  # [s]
+    new_len = table.lengths + num_new
+    last_page, needs_copy = _copies_needed(table, num_new, held, cow)
+    need = cdiv(new_len, table.page_size) - held + needs_copy.astype(jnp.int32)  # [s]
+    fits = (num_new >= 0) & (num_new <= max_new) & (new_len <= table.max_len)
+    alloc_limit = min(table.num_pages, table.max_seqs * (cdiv(max_new, table.page_size) + 1))
+    free_ids = _free_page_ids(table.ref_counts, alloc_limit, table.num_pages + 1)
+    ok, granted = _grant(table.ref_counts, need, fits, alloc_limit)
+    first_rank = jnp.cumsum(granted) - granted  # [s]: where each row's pages start in free_ids
+    block_tables = _place_new_pages(table.block_tables, free_ids, ok, granted, first_rank,
+                                    held - needs_copy.astype(jnp.int32))
+    update = _pool_update(free_ids, ok & needs_copy, last_page, first_rank, jnp.sum(granted),
+                          table.num_pages + 1)
+    ref_counts = (table.ref_counts.at[update.fresh_pages].add(1, mode="drop")
+                  .at[update.copy_src].add(-1, mode="drop"))
+    new_table = dataclasses.replace(
+        table, block_tables=block_tables, ref_counts=ref_counts,
+        lengths=jnp.where(ok, new_len, table.lengths),
+        active=table.active | (ok & (num_new > 0)))
+    return new_table, update, ok
+
+
+def _copies_needed(table: PageTable, num_new: jax.Array, held: jax.Array,
+                   cow: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Each row's last page and whether the row must copy it before writing (``[max_seqs]``)."""
     last_page = jnp.take_along_axis(
         table.block_tables, jnp.clip(held - 1, 0)[:, None], axis=1)[:, 0]
-    partial = (lengths % ps != 0) & (held > 0)
+    partial = (table.lengths % table.page_size != 0) & (held > 0)
     wants_cow = (num_new > 0) if cow is None else ((num_new > 0) | cow)
     writes_last = wants_cow & partial
     refs = jnp.take(table.ref_counts, last_page, mode="fill", fill_value=0)
+    keeps = _keepers(table, last_page, writes_last, refs) & (num_new > 0)  # explicit COW: all copy
+    return last_page, writes_last & (refs > 1) & ~keeps
+
+
+def _keepers(table: PageTable, last_page: jax.Array, writes_last: jax.Array,
+             refs: jax.Array) -> jax.Array:
+    """bool ``[max_seqs]``: rows that may write into their shared partial last page in place."""
     # When every holder of a shared partial page writes in this call and all hold the same
     # length, the highest row keeps the page and only the others copy (beam search: 4 beams
     # cost 3 copies, not 4). Equal lengths make this safe even if another holder's copy fails:
     # the keeper writes at a slot no other holder reads yet.
-    page_or_oob = jnp.where(writes_last, last_page, oob)
+    page_or_oob = jnp.where(writes_last, last_page, table.num_pages + 1)
     rows = jnp.arange(table.max_seqs, dtype=jnp.int32)
     empty = jnp.zeros((table.num_pages,), jnp.int32)
     writers = empty.at[page_or_oob].add(1, mode="drop")
     keeper = (empty - 1).at[page_or_oob].max(rows, mode="drop")
-    len_lo = (empty + table.max_len + 1).at[page_or_oob].min(lengths, mode="drop")
-    len_hi = (empty - 1).at[page_or_oob].max(lengths, mode="drop")
+    len_lo = (empty + table.max_len + 1).at[page_or_oob].min(table.lengths, mode="drop")
+    len_hi = (empty - 1).at[page_or_oob].max(table.lengths, mode="drop")
     at_last = functools.partial(jnp.take, indices=last_page, mode="fill", fill_value=-2)
     all_write = (at_last(writers) == refs) & (at_last(len_lo) == at_last(len_hi))
-    keeps = all_write & (at_last(keeper) == rows) & (num_new > 0)  # explicit COW: all copy
-    needs_copy = writes_last & (refs > 1) & ~keeps
-    need = growth + needs_copy.astype(jnp.int32)
+    return all_write & (at_last(keeper) == rows)
 
-    fits = (num_new >= 0) & (num_new <= max_new) & (new_len <= table.max_len)
-    alloc_limit = min(table.num_pages, table.max_seqs * (_cdiv(max_new, ps) + 1))
-    free_ids = _free_page_ids(table.ref_counts, alloc_limit, oob)
-    num_free = jnp.minimum(jnp.sum(table.ref_counts == 0), alloc_limit)
+
+def _grant(ref_counts: jax.Array, need: jax.Array, fits: jax.Array,
+           alloc_limit: int) -> tuple[jax.Array, jax.Array]:
+    """Rows served first-come by row: ``ok`` (bool) and pages granted (int32), ``[max_seqs]``."""
+    num_free = jnp.minimum(jnp.sum(ref_counts == 0), alloc_limit)
     want = jnp.where(fits, need, 0)
     # NOTE: a row needing no page (num_new = 0, or room in its own last page) is never
     # blocked; a row needing pages is, once an earlier row's request no longer fits.
     ok = fits & ((need == 0) | (jnp.cumsum(want) <= num_free))
-    granted = jnp.where(ok, need, 0)
-    first_rank = jnp.cumsum(granted) - granted  # [s]: where each row's pages start in free_ids
-    total = jnp.sum(granted)
+    return ok, jnp.where(ok, need, 0)
 
+
+def _place_new_pages(block_tables: jax.Array, free_ids: jax.Array, ok: jax.Array,
+                     granted: jax.Array, first_rank: jax.Array,
+                     first_cell: jax.Array) -> jax.Array:
+    """The block tables with each granted row's new pages written in from ``first_cell``."""
     # Cell (b, m) receives free_ids[first_rank[b] + k] where k counts the row's new pages:
     # the copy (if any) takes k = 0 and lands in cell held-1; growth fills cells held.. .
-    m = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :]
-    first_cell = (held - needs_copy.astype(jnp.int32))[:, None]
+    m = jnp.arange(block_tables.shape[1], dtype=jnp.int32)[None, :]
+    first_cell = first_cell[:, None]
     new_cell = ok[:, None] & (m >= first_cell) & (m < first_cell + granted[:, None])
     rank = first_rank[:, None] + (m - first_cell)
-    block_tables = jnp.where(new_cell, free_ids[jnp.clip(rank, 0, alloc_limit - 1)],
-                             table.block_tables)
+    return jnp.where(new_cell, free_ids[jnp.clip(rank, 0, free_ids.shape[0] - 1)], block_tables)
 
-    copy_ok = ok & needs_copy
+
+def _pool_update(free_ids: jax.Array, copy_ok: jax.Array, last_page: jax.Array,
+                 first_rank: jax.Array, total: jax.Array, oob: int) -> PoolUpdate:
+    """The pages handed out (the first ``total`` of ``free_ids``) and the copies to make."""
+    alloc_limit = free_ids.shape[0]
     copy_src = jnp.where(copy_ok, last_page, oob)
     copy_dst = jnp.where(copy_ok, free_ids[jnp.clip(first_rank, 0, alloc_limit - 1)], oob)
     fresh = jnp.where(jnp.arange(alloc_limit) < total, free_ids, oob)
-    ref_counts = (table.ref_counts.at[fresh].add(1, mode="drop")
-                  .at[copy_src].add(-1, mode="drop"))
-    new_table = dataclasses.replace(
-        table, block_tables=block_tables, ref_counts=ref_counts,
-        lengths=jnp.where(ok, new_len, lengths),
-        active=table.active | (ok & (num_new > 0)))
-    return new_table, PoolUpdate(fresh, copy_src, copy_dst), ok
+    return PoolUpdate(fresh, copy_src, copy_dst)
 
 
 def copy_on_write(table: PageTable, rows: jax.Array) -> tuple[PageTable, PoolUpdate, jax.Array]:
@@ -280,43 +306,6 @@ def slot_mapping(table: PageTable, positions: jax.Array,
     return pages, jnp.where(valid, positions % table.page_size, 0)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TableStats:
-    """Pool-wide accounting (all int32 scalars except the fraction)."""
-
-    free_pages: jax.Array
-    used_pages: jax.Array
-    shared_pages: jax.Array
-    tokens_held: jax.Array
-    slots_filled: jax.Array
-    internal_fragmentation: jax.Array  # float32: empty slots in used pages / their slots
-    active_seqs: jax.Array
-
-
-def stats(table: PageTable) -> TableStats:
-    """Free / used / shared pages, tokens held and internal fragmentation.
-
-    ``slots_filled`` counts each physical slot once however many sequences share it, so the
-    fragmentation figure is about memory, not logical tokens.
-    """
-    ps = table.page_size
-    m = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :]
-    fill = jnp.clip(table.lengths[:, None] - m * ps, 0, ps)  # tokens in cell (b, m)
-    page_fill = jnp.zeros((table.num_pages,), jnp.int32).at[table.block_tables].max(
-        fill, mode="drop")
-    used = jnp.sum(table.ref_counts > 0)
-    filled = jnp.sum(page_fill)
-    capacity = used * ps
-    return TableStats(
-        free_pages=table.num_pages - used, used_pages=used,
-        shared_pages=jnp.sum(table.ref_counts > 1),
-        tokens_held=jnp.sum(table.lengths), slots_filled=filled,
-        internal_fragmentation=jnp.where(
-            capacity > 0, 1.0 - filled / jnp.maximum(capacity, 1), 0.0).astype(jnp.float32),
-        active_seqs=jnp.sum(table.active))
-
-
 def reorder(table: PageTable, parents: jax.Array) -> tuple[PageTable, jax.Array]:
     """Row ``b`` becomes a copy of row ``parents[b]`` (beam search's reorder), moving only
     block-table rows and ref counts: no KV is copied. A row may be the parent of several rows
@@ -375,7 +364,7 @@ def attach(table: PageTable, rows: jax.Array, pages: jax.Array,
     in_range = (rows >= 0) & (rows < s)
     r = jnp.clip(rows, 0, s - 1)
     uses = jnp.zeros((s,), jnp.int32).at[jnp.where(in_range, r, s)].add(1, mode="drop")
-    used = jnp.arange(w, dtype=jnp.int32)[None, :] < _cdiv(lengths, table.page_size)[:, None]
+    used = jnp.arange(w, dtype=jnp.int32)[None, :] < cdiv(lengths, table.page_size)[:, None]
     real = (pages >= 0) & (pages < table.num_pages)
     held = jnp.take(table.ref_counts, jnp.clip(pages, 0, table.num_pages - 1)) > 0
     ok = (in_range & ~table.active[r] & (uses[r] == 1) & (lengths >= 1)
@@ -391,34 +380,3 @@ def attach(table: PageTable, rows: jax.Array, pages: jax.Array,
         ref_counts=table.ref_counts.at[gained].add(1, mode="drop"),
         lengths=table.lengths.at[target].set(lengths, mode="drop"),
         active=table.active.at[target].set(True, mode="drop")), ok
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SharingStats:
-    """Who shares what (int32).
-
-    Attributes:
-      pages_held: ``[max_seqs]``: pages each row references.
-      shared_held: ``[max_seqs]``: of those, pages with another holder too (a row or an
-        external holder such as the prefix index).
-      row_references: scalar: block-table entries over all rows, i.e. the pages the rows
-        would use if nothing were shared.
-      row_pages: scalar: distinct pages the rows reference.
-    """
-
-    pages_held: jax.Array
-    shared_held: jax.Array
-    row_references: jax.Array
-    row_pages: jax.Array
-
-
-def sharing_stats(table: PageTable) -> SharingStats:
-    """Per-row shared pages and what sharing saves (see :class:`SharingStats`)."""
-    held = table.pages_held()
-    cells = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :] < held[:, None]
-    refs = jnp.take(table.ref_counts, table.block_tables, mode="fill", fill_value=0)
-    row_refs = jnp.zeros((table.num_pages,), jnp.int32).at[
-        jnp.where(cells, table.block_tables, table.num_pages + 1)].add(1, mode="drop")
-    return SharingStats(pages_held=held, shared_held=jnp.sum(cells & (refs > 1), axis=1),
-                        row_references=jnp.sum(held), row_pages=jnp.sum(row_refs > 0))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -170,3 +171,26 @@ class RequestTable:
         for c in (req.children if req.n > 1 else []):
             self.requests.pop(c, None)
         self.requests.pop(req.id)
+
+    def result(self, req: Request,
+               decode: Callable[[list[int]], str] | None = None) -> GenerationResult:
+        """``req``'s outcome so far (``decode``: the model's, for ``text``)."""
+        if req.n > 1 and req.children:
+            samples = [self.result(self.requests[c], decode) for c in req.children]
+            first = samples[0]
+            return GenerationResult(first.token_ids, first.text, req.prompt_ids,
+                                    first.finish_reason, req.num_cached_tokens,
+                                    req.preemptions, samples)
+        kept = [t for t in req.output if t not in req.stop_ids]
+        return GenerationResult(list(req.output), decode(kept) if decode else "",
+                                req.prompt_ids, req.finish_reason or "running",
+                                req.num_cached_tokens, req.preemptions)
+
+    def hand_out(self, decode: Callable[[list[int]], str] | None = None
+                 ) -> dict[int, GenerationResult]:
+        """The results of the done requests, which are then dropped."""
+        done = self.done()
+        results = {r.id: self.result(r, decode) for r in done}
+        for r in done:
+            self.drop(r)
+        return results

@@ -38,10 +38,11 @@ class Scheduler:
     """Runs steps over the parts it is given; see :class:`paxkv.engine.Engine`."""
 
     def __init__(self, model: Any, table: RequestTable, ops: CacheOps,
-                 prefixes: SharedPrefixes | None, counters: Counters, *, prefill_chunk: int,
-                 prefill_tokens: int):
+                 prefixes: SharedPrefixes | None, counters: Counters, growth: policy.Growth, *,
+                 prefill_chunk: int, prefill_tokens: int):
         self.model, self.table, self.ops, self.prefixes = model, table, ops, prefixes
         self.counters = counters
+        self.growth = growth
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.new_tokens: dict[int, list[int]] = {}
         s = ops.max_seqs
@@ -58,6 +59,7 @@ class Scheduler:
         """Admits what fits (in rounds), prefills it, decodes one token for every running
         row, and releases what finished. Returns the tokens generated, by request id."""
         self.table.clock += 1
+        self.growth.stepped()
         self.new_tokens = {}
         while self.table.waiting and self.table.free_rows():
             admitted = self.admit()
@@ -87,7 +89,9 @@ class Scheduler:
         """One admission round (see the module docstring)."""
         admitted: list[Request] = []
         pending: set[bytes] = set()
-        busy = bool(self.table.running())
+        running = self.table.running()
+        ahead = self.growth.pages_ahead(running, self.ops.cache.page_size)
+        busy = bool(running)
         while self.table.waiting and self.table.free_rows():
             req = self.table.waiting[0]
             holder = self._holder(req)
@@ -99,9 +103,9 @@ class Scheduler:
                 break  # an earlier admission of this round is prefilling that page
             cached = holder.cached if holder else hit.num_tokens
             need = policy.pages_to_admit(len(req.tokens), cached, self.ops.cache.page_size)
-            if need > self.ops.free and self.prefixes is not None:
-                self.prefixes.evict(need - self.ops.free, protect=hit.pages)
-            if not policy.admits(need, self.ops.free, busy or bool(admitted)):
+            if need + ahead > self.ops.free and self.prefixes is not None:
+                self.prefixes.evict(need + ahead - self.ops.free, protect=hit.pages)
+            if not policy.admits(need, self.ops.free - ahead, busy or bool(admitted)):
                 break
             self.table.waiting.popleft()
             self._place(req, self.table.free_rows()[0])
@@ -115,6 +119,7 @@ class Scheduler:
                 if self.prefixes is not None:
                     self.prefixes.index.record(len(req.prompt_ids), hit.num_tokens)
             self.ops.free -= need
+            ahead += self.growth.pages_ahead([req], self.ops.cache.page_size)
             pending.update(digests)
             admitted.append(req)
         return admitted
@@ -196,7 +201,8 @@ class Scheduler:
             self._append(self.table.rows[row], int(nxt[row]))
         self.finish([r for r in self.table.rows if r is not None and r.finish_reason is not None])
         if (live & ~ok).any():  # out of pages: free the victim's pages
-            self.preempt(policy.preemption_victim(self.table.running()))
+            self.preempt(policy.preemption_victim(self.table.running(), self.ops.cache.page_size,
+                                                  cached=self.prefixes is not None))
 
     def plan(self, stepping: list[Request], longest: int,
               decode_lengths: list[int] | None = None) -> attention_plan.AttentionPlan:
@@ -257,6 +263,7 @@ class Scheduler:
         self.release([req])
         req.cached, req.preemptions = 0, req.preemptions + 1
         self.counters.preemptions += 1
+        self.growth.preempted()
         self.table.waiting.appendleft(req)
 
     def spawn(self, parent: Request, k: int, *, sample: bool = False,

@@ -45,6 +45,7 @@ def run_engine(lm, prompts, *, max_new_tokens, **kw):
 
 
 def assert_all_free(engine: paxkv.Engine) -> None:
+    engine.clear_prefix_cache()  # the prefix cache's pages outlive their requests
     assert int(engine.cache.free_pages()) == engine.cache.num_pages
     assert not bool(jnp.any(engine.cache.active))
     assert int(jnp.sum(engine.cache.lengths)) == 0
@@ -123,12 +124,18 @@ def test_paged_equals_dense_equals_full_forward(lm, prompts):
 def test_exhaustion_queues_and_preempts(lm, prompts):
     """A pool far too small for the batch still finishes everything, same tokens."""
     roomy, _ = run_engine(lm, prompts[:6], max_new_tokens=24, max_seqs=6, page_size=8)
-    # 6 rows but pages for ~2 sequences: admission queues, decode growth forces preemption.
+    # 6 rows but pages for ~2 sequences. Admitting whatever fits now, decode growth forces
+    # preemption; projecting the growth (the default) admits fewer and preempts less.
     tight, engine = run_engine(lm, prompts[:6], max_new_tokens=24, max_seqs=6, page_size=8,
-                               num_pages=24)
+                               num_pages=24, prefix_cache=False,
+                               growth=paxkv.policy.Growth(start=0.0, floor=0.0))
     assert [r.token_ids for r in tight] == [r.token_ids for r in roomy]
     assert engine.stats().preemptions > 0
     assert engine.stats().peak_running < 6
+    ahead, careful = run_engine(lm, prompts[:6], max_new_tokens=24, max_seqs=6, page_size=8,
+                                num_pages=24, prefix_cache=False)
+    assert [r.token_ids for r in ahead] == [r.token_ids for r in roomy]
+    assert careful.stats().preemptions < engine.stats().preemptions
 
 
 def test_nan_poisoned_free_pages_change_nothing(lm, prompts):
@@ -216,3 +223,27 @@ def test_eager_equals_jitted(lm, prompts):
     with jax.disable_jit():
         eager, _ = run_engine(lm, short, max_new_tokens=2, max_seqs=2, page_size=16)
     assert [r.token_ids for r in eager] == [r.token_ids for r in jitted]
+
+
+def test_engine_and_generate_share_defaults_and_stream(lm, prompts):
+    """``Engine.submit(ids, max_new_tokens=n)`` and ``generate(lm, [ids], max_new_tokens=n)``
+    give the same tokens (the model's EOS stops both); ``step()`` streams every token once and
+    hands each finished request out once; unknown ids get a ValueError naming them."""
+    want = paxkv.generate(lm, prompts[:2], max_new_tokens=40, max_seqs=4)
+    assert want[0].finish_reason == "stop"  # EOS before 40 tokens: the default stops
+    engine = paxkv.Engine(lm, max_len=256, max_seqs=4)
+    ids = [engine.submit(p, max_new_tokens=40) for p in prompts[:2]]
+    streamed, finished = {i: [] for i in ids}, {}
+    while engine.has_work():
+        out = engine.step()
+        for rid, new in out.new_tokens.items():
+            streamed[rid] += new
+        assert not finished.keys() & out.finished.keys()
+        finished.update(out.finished)
+    assert [finished[i].token_ids for i in ids] == [r.token_ids for r in want]
+    assert [streamed[i] for i in ids] == [r.token_ids for r in want]
+    with pytest.raises(ValueError, match=f"unknown request id {ids[0]}"):
+        engine.result(ids[0])  # done and handed out: dropped
+    with pytest.raises(ValueError, match="unknown request id 999"):
+        engine.cancel(999)
+    assert_all_free(engine)

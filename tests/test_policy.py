@@ -55,10 +55,26 @@ def test_prefill_batches_fit_the_token_budget_longest_first():
     assert policy.decode_width(3, 64) == 8 and policy.decode_width(40, 64) == 64
 
 
-def test_the_youngest_request_is_preempted():
-    old, young = _req(0, 4), _req(1, 4)
-    old.admitted_at, young.admitted_at, old.row, young.row = 1, 5, 0, 1
-    assert policy.preemption_victim([old, young]) is young
+def test_the_cheapest_recompute_is_preempted():
+    old, young, long = _req(0, 4), _req(1, 4), _req(2, 30, output=3)
+    for i, r in enumerate((old, young, long)):
+        r.admitted_at, r.row = (1, 5, 3)[i], i
+    assert policy.preemption_victim([old, young, long], 16, cached=False) is young
+    # With the prefix cache a preempted request's full pages stay indexed: only the rest
+    # (33 % 16 = 1 token) is recomputed.
+    assert policy.preemption_victim([old, young, long], 16, cached=True) is long
+
+
+def test_growth_projection_decays_and_resets_on_preemption():
+    growth = policy.Growth(start=0.5, floor=0.1, decay_steps=4)
+    r = _req(0, 16, output=0)  # max_new_tokens 8: 4 more at 0.5 -> one more page of 16
+    assert growth.pages_ahead([r], 16) == 1 and growth.pages_ahead([r], 4) == 1
+    for _ in range(10):
+        growth.stepped()
+    assert growth.ratio == pytest.approx(0.1)
+    assert growth.pages_ahead([r], 4) == 1  # ceil(0.1 * 8) = 1 token: still a new page
+    growth.preempted()
+    assert growth.ratio == 0.5
 
 
 def test_plans_round_to_few_shapes_and_drop_useless_hints():

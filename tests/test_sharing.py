@@ -226,7 +226,8 @@ def test_tree_of_thought_forks_without_prefill(lm):
     """Branch 2 x 2 with held nodes; leaves equal lone requests recomputed from scratch."""
     prompt = workload(lm, 16, seed=8)[1]
     e = engine(lm, 16, False)
-    root = e.submit(prompt, max_new_tokens=3, temperature=0.9, seed=1, hold=True)
+    root = e.submit(prompt, max_new_tokens=3, temperature=0.9, seed=1, hold=True,
+                    stop_token_ids=[])
     res = e.run()  # a held request is reported, and stays until forked or cancelled
     prefilled = e.stats().prefill_tokens
     mids = e.fork(root, 2, max_new_tokens=3, hold=True)
@@ -243,7 +244,7 @@ def test_tree_of_thought_forks_without_prefill(lm):
     lone = engine(lm, 16, False)
     for leaf in leaves[:3]:
         rid = lone.submit(prompts[leaf], max_new_tokens=3, temperature=0.9,
-                          key=jnp.asarray(keys[leaf]))
+                          key=jnp.asarray(keys[leaf]), stop_token_ids=[])
         assert lone.run()[rid].token_ids == res[leaf].token_ids
     assert_all_free(lone)
 
