@@ -11,10 +11,12 @@
    pages before and after the one ``release`` call: the difference must equal the row's pages
    nobody else holds. Invariants (ref count = table entries + index holds; free iff 0) are
    checked every 100 ops; at the end every row and hold is dropped and all pages must be free.
-2. **engine** (real model, ``paxkv.Engine``): the same requests run once undisturbed and once
-   with a third of them cancelled at random steps (queued, just admitted, mid-decode). Each
-   cancel's freed pages must match the pages its row held (``ceil(tokens held / page_size)``);
-   the survivors' greedy tokens must equal the undisturbed run's; no page leaks.
+2. **engine** (real model, ``paxkv.Engine``, prefix cache off, EOS ignored): the same requests
+   run once undisturbed and once with a third of them cancelled at random steps (queued, just
+   admitted, mid-decode; a request already finished by then is recorded as "finished", and its
+   cancel is not made). Each cancel's freed pages must match the pages its row held
+   (``ceil(tokens held / page_size)``); the survivors' greedy tokens must equal the undisturbed
+   run's; no page leaks.
 2b. **engine, shared** (real model): requests fork one ``submit_prefix`` holder (a shared
    system prompt) and one request is ``Engine.fork``-ed into two children; then a child, a
    request sharing the prefix and the prefix holder are cancelled. Same checks.
@@ -42,7 +44,7 @@ import paxkv
 from experiments.accounting import paged_page_map, provenance
 from experiments.common import print_table, record, write_json
 from experiments.table_ops import host_table, random_ops, summarize_cancels
-from paxkv import page_table as pt, paged_cache, steps
+from paxkv import cache_ops, page_table as pt, paged_cache, steps
 
 
 # -- part 2: the engine with the real model ------------------------------------------------------
@@ -50,16 +52,24 @@ def _free(cache: Any) -> int:
     return int(np.sum(np.asarray(cache.table.ref_counts) == 0))
 
 
+def _engine(lm: Any, **engine_kw: Any) -> paxkv.Engine:
+    """A paged engine without the prefix cache (its held pages are not the subject here)."""
+    return paxkv.Engine(lm, cache="paged", prefix_cache=False, **engine_kw)
+
+
 def cancel_in_engine(engine: paxkv.Engine, rid: int) -> dict[str, Any]:
     """``engine.cancel(rid)`` with the free pages counted around it; the row it released (the
-    one that went inactive) must have held exactly the pages that came back."""
+    one that went inactive) must have held exactly the pages that came back. A request that
+    already finished (handed out, no longer live) is not cancelled: kind "finished"."""
+    if rid not in engine.table.requests:
+        return dict(kind="finished", freed=0, expected=0, tokens_held=0, pages_for_tokens=0)
     bt, lengths, refs, active = host_table(engine.cache.table)
     result = engine.result(rid)
     before = _free(engine.cache)
     engine.cancel(rid)
     after = _free(engine.cache)
     gone = np.flatnonzero(active & ~np.asarray(engine.cache.table.active))
-    ps = engine.page_size
+    ps = engine.cache.page_size
     expected = sum(int(np.sum(refs[bt[r, : -(-int(lengths[r]) // ps)]] == 1)) for r in gone)
     held = len(result.prompt_ids) + len(result.token_ids) - 1 if gone.size else 0
     # A request's first step prefills it and decodes once: 2 tokens.
@@ -73,16 +83,17 @@ def drive_engine(lm: Any, requests: list[tuple[list[int], int]], cancel_at: dict
                  **engine_kw: Any) -> tuple[dict[int, list[int]], list[dict], int, int]:
     """Runs ``requests``, cancelling request ``i`` just before step ``cancel_at[i]``.
     Returns (tokens per request, cancel records, steps, pages leaked)."""
-    engine = paxkv.Engine(lm, cache="paged", **engine_kw)
-    ids = [engine.submit(p, max_new_tokens=n) for p, n in requests]
-    cancels, step = [], 0
+    engine = _engine(lm, **engine_kw)
+    ids = [engine.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in requests]
+    cancels, step, results = [], 0, {}
     while engine.has_work():
         for i in sorted(i for i, s in cancel_at.items() if s == step):
             cancels.append(dict(cancel_in_engine(engine, ids[i]), request=i, step=step))
-        engine.step()
+        results.update(engine.step().finished)
         step += 1
-    tokens = {i: engine.result(rid).token_ids for i, rid in enumerate(ids)}
-    return tokens, cancels, step, engine.num_pages - _free(engine.cache)
+    results.update(engine.run())  # anything cancelled after the last step
+    tokens = {i: results[rid].token_ids for i, rid in enumerate(ids)}
+    return tokens, cancels, step, engine.cache.num_pages - _free(engine.cache)
 
 
 def engine_run(lm: Any, *, requests: int = 16, max_len: int = 64, page_size: int = 4,
@@ -125,10 +136,11 @@ def _drive_shared(lm: Any, prefix: list[int], suffixes: list[list[int]], new: in
     """Requests fork one ``submit_prefix`` holder; after step 2 request 0 is ``Engine.fork``-ed
     into two children. ``plan``: step -> what to cancel before it ("child" = the second fork
     child, "sharer" = request 1, "prefix" = the prefix holder)."""
-    engine = paxkv.Engine(lm, cache="paged", **engine_kw)
+    engine = _engine(lm, **engine_kw)
     holder = engine.submit_prefix(prefix)
-    ids = [engine.submit(sfx, max_new_tokens=new, prefix=holder) for sfx in suffixes]
-    kids, cancels, step = [], [], 0
+    ids = [engine.submit(sfx, max_new_tokens=new, prefix=holder, stop_token_ids=[])
+           for sfx in suffixes]
+    kids, cancels, step, results = [], [], 0, {}
     while engine.has_work():
         if step == 2:
             kids = engine.fork(ids[0], 2, max_new_tokens=new // 2)
@@ -136,11 +148,14 @@ def _drive_shared(lm: Any, prefix: list[int], suffixes: list[list[int]], new: in
         target = dict(child=kids[1] if kids else None, sharer=ids[1], prefix=holder).get(who)
         if target is not None:
             cancels.append(dict(cancel_in_engine(engine, target), kind=who, step=step))
-        engine.step()
+        results.update(engine.step().finished)
         step += 1
-    engine.cancel(holder)  # a prefix holder keeps its row until cancelled
-    tokens = {rid: engine.result(rid).token_ids for rid in ids[1:] + kids}
-    return dict(tokens=tokens, cancels=cancels, leaked=engine.num_pages - _free(engine.cache),
+    if holder in engine.table.requests:
+        engine.cancel(holder)  # a prefix holder keeps its row until cancelled
+    results.update(engine.run())
+    tokens = {rid: results[rid].token_ids for rid in ids[1:] + kids}
+    return dict(tokens=tokens, cancels=cancels,
+                leaked=engine.cache.num_pages - _free(engine.cache),
                 cancelled={c for c, w in ((kids[1] if kids else -1, "child"), (ids[1], "sharer"))
                            if w in plan.values()})
 
@@ -175,7 +190,7 @@ def _release_row(cache: Any, row: int) -> tuple[Any, dict[str, int]]:
     before = _free(cache)
     mask = np.zeros(cache.max_seqs, bool)
     mask[row] = True
-    cache, _ = steps.release_rows(cache, jnp.asarray(mask))
+    cache, _ = cache_ops.release_rows(cache, jnp.asarray(mask))
     return cache, dict(row=row, freed=_free(cache) - before,
                        expected=int(np.sum(refs[pages] == 1)), shared=int(np.sum(refs[pages] > 1)))
 
@@ -187,7 +202,7 @@ def _forked_start(lm: Any, prompt: list[int], children: int, *, max_len: int, pa
     cfg, rows = lm.config, children + 1
     cache = paged_cache.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, num_pages=num_pages, page_size=page_size,
-                               max_seqs=rows, max_len=max_len).with_window(max_len)
+                               max_seqs=rows, max_len=max_len, attention_impl="xla")
     width = -(-len(prompt) // 16) * 16
     tokens = np.zeros((1, width), np.int32)
     tokens[0, : len(prompt)] = prompt
@@ -263,7 +278,8 @@ def report(ops: dict, eng: dict, shared: dict, fork: dict) -> bool:
     checks = [
         ("ops", f"{ops['ops']:,} random ops", "leaked pages", ops["pages_leaked"], 0),
         ("ops", "invariant checks", "errors", len(ops["invariant_errors"]), 0),
-        ("engine", f"{eng['requests']} requests, {len(eng['cancels'])} cancelled",
+        ("engine", f"{eng['requests']} requests, "
+         f"{sum(c['kind'] != 'finished' for c in eng['cancels'])} cancelled",
          "survivors with other tokens", eng["survivors"] - eng["survivors_identical"], 0),
         ("engine", "freed pages = ceil(tokens held / page)", "mismatches",
          int(not eng["freed_matches_tokens"]), 0),

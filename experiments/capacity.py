@@ -15,14 +15,17 @@ decoding is greedy with EOS ignored, so each request makes exactly ``output`` to
 
 **Systems** (each in its own engine, same stream, same model, one run):
 
-* ``paged``: ``Engine(cache="paged", num_pages=budget / page_size, max_seqs=--paged-rows)``.
+* ``paged``: ``Engine(cache="paged", num_pages=budget / page_size, max_seqs=--paged-rows,
+  prefix_cache=False)`` (the prompts share nothing; cached pages would blur the accounting).
 * ``dense_max_len``: ``Engine(cache="dense", max_seqs=budget_seqs)``: every row reserves
   ``max_len`` slots.
 * ``dense_exact``: the vLLM paper's oracle: each request reserves exactly ``prompt + output``
   contiguous slots of one arena of ``budget`` slots (first fit, FIFO, no skipping). The arena
   decides admission and is what the memory figures count; the tokens are computed by a paged
   engine with one spare page per row, so its own page rounding never binds (checked: it must
-  report 0 preemptions).
+  report 0 preemptions), and without the engine's growth projection
+  (``growth=Growth(start=0, floor=0)``: the arena alone decides admission; ``dense_max_len``'s
+  driver too). ``paged`` admits by the engine's own policy.
 
 **Accounting** (after every ``engine.step()``, outside the timed region), in KV slots:
 
@@ -41,7 +44,7 @@ Throughput = output tokens / (sum of ``step()`` wall times - compile time inside
 ``jax.monitoring``), and per CPU-second of this process (``time.process_time``, which other
 tenants of a shared machine inflate far less); a warm-up run of the first ``--warmup``
 requests precedes each system. The series also records each step's wall and CPU seconds and
-the attention window (tokens read per row).
+the attention window (tokens read per row: the window of the step's last attention plan).
 The greedy tokens of every system are compared with the others' (no figure stands for a wrong
 answer). Writes ``results/capacity.json`` (``capacity_quick.json`` with ``--quick``).
 """
@@ -61,7 +64,7 @@ import paxkv
 from experiments.accounting import (Arena, CompileClock, arena_page_map, dense_page_map,
                                     paged_page_map, provenance)
 from experiments.common import clock, print_table, record, write_json
-from paxkv import page_table as pt
+from paxkv import page_table as pt, policy
 
 SYSTEMS = ("paged", "dense_max_len", "dense_exact")
 TARGETS = dict(concurrency_x=10.0, waste_pct=4.0)
@@ -115,13 +118,29 @@ def make_requests(lm: Any, lengths: np.ndarray) -> list[tuple[list[int], int]]:
 # -- one system working through the stream -------------------------------------------------------
 def make_engine(lm: Any, system: str, cfg: Config) -> paxkv.Engine:
     pages = cfg.budget_slots // cfg.page_size
+    fits_now = policy.Growth(start=0.0, floor=0.0)  # the driver decides admission
     if system == "dense_max_len":
         return paxkv.Engine(lm, cache="dense", max_seqs=cfg.budget_seqs, max_len=cfg.max_len,
-                            prefill_chunk=cfg.prefill_chunk)
-    spare = cfg.paged_rows if system == "dense_exact" else 0  # the oracle's rounding room
+                            prefill_chunk=cfg.prefill_chunk, growth=fits_now)
+    exact = system == "dense_exact"
+    spare = cfg.paged_rows if exact else 0  # the oracle's rounding room
     return paxkv.Engine(lm, cache="paged", max_seqs=cfg.paged_rows, max_len=cfg.max_len,
                         page_size=cfg.page_size, num_pages=pages + spare,
-                        prefill_chunk=cfg.prefill_chunk)
+                        prefill_chunk=cfg.prefill_chunk, prefix_cache=False,
+                        growth=fits_now if exact else None)
+
+
+class PlanLog:
+    """Wraps an engine's scheduler's ``plan`` so the last attention plan it built (the
+    step's window: tokens each row's attention reads) can be read after the step."""
+
+    def __init__(self, engine: paxkv.Engine):
+        self.last, self._plan = None, engine.scheduler.plan
+        engine.scheduler.plan = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._plan(*args, **kwargs)
+        return self.last
 
 
 class Driver:
@@ -135,6 +154,7 @@ class Driver:
     def __init__(self, lm: Any, system: str, cfg: Config, requests: list[tuple[list[int], int]]):
         self.system, self.cfg, self.requests = system, cfg, requests
         self.engine = make_engine(lm, system, cfg)
+        self.plans = PlanLog(self.engine)
         self.pending = collections.deque(range(len(requests)))
         self.inflight: dict[int, int] = {}  # request index -> engine request id
         self.outputs: dict[int, list[int]] = {}
@@ -151,13 +171,13 @@ class Driver:
                 break
             self.pending.popleft()
             prompt, new = self.requests[i]
-            self.inflight[i] = self.engine.submit(prompt, max_new_tokens=new)
+            self.inflight[i] = self.engine.submit(prompt, max_new_tokens=new, stop_token_ids=[])
 
-    def poll(self) -> None:
+    def poll(self, finished: dict[int, paxkv.GenerationResult]) -> None:
+        """Takes the requests a step handed out (``StepOutput.finished``)."""
         for i, rid in list(self.inflight.items()):
-            result = self.engine.result(rid)
-            if result.finish_reason != "running":
-                self.outputs[i] = result.token_ids
+            if rid in finished:
+                self.outputs[i] = finished[rid].token_ids
                 del self.inflight[i]
                 if self.system == "dense_exact":
                     self.arena.free(i)
@@ -183,8 +203,8 @@ class Driver:
                 internal, future, external = 0, reserved - filled, self._stranded()
         pct = lambda x: 100.0 * x / max(reserved, 1)  # noqa: E731
         queued = len(self.pending) + len(self.inflight) - running
-        window = (cache.window if self.system == "dense_max_len" else  # tokens attention reads
-                  cache.window_pages and cache.window_pages * cfg.page_size)
+        plan = self.plans.last
+        window = None if plan is None else (plan.window or cache.max_len)
         return dict(running=running, queued=queued, reserved=reserved, filled=filled,
                     window=window,
                     waste_pct=pct(reserved - filled), internal_pct=pct(internal),
@@ -222,10 +242,10 @@ def run_system(lm: Any, system: str, cfg: Config,
         while drv.pending or drv.inflight:
             drv.admit()
             c0 = compile_clock.total
-            wall, spent, _ = clock(drv.engine.step)
+            wall, spent, out = clock(drv.engine.step)
             compiled = compile_clock.total - c0
             busy, cpu, compiling = busy + wall, cpu + spent, compiling + compiled
-            drv.poll()
+            drv.poll(out.finished)
             s = drv.sample()
             s.update(t=busy - compiling, step_s=wall - compiled, cpu_s=max(spent - compiled, 0.0))
             for k, v in s.items():
@@ -246,20 +266,20 @@ def summarize(drv: Driver, series: dict[str, list], busy: float, cpu: float, com
         steady = np.arange(len(q))
     med = lambda k: float(np.median(np.asarray(series[k])[steady]))  # noqa: E731
     out_tokens = sum(len(t) for t in drv.outputs.values())
-    engine, table = drv.engine, getattr(drv.engine.cache, "table", None)
+    stats, table = drv.engine.stats(), getattr(drv.engine.cache, "table", None)
     leaked = 0 if table is None else int(table.num_pages - int(_stats(table).free_pages))
     return dict(
-        peak_running=int(max(series["running"])), engine_peak_running=engine.peak_running,
+        peak_running=int(max(series["running"])), engine_peak_running=stats.peak_running,
         mean_running_steady=float(np.mean(np.asarray(series["running"])[steady])),
         mean_queued=float(q.mean()), steps=len(q), steady_steps=int(steady.size),
         output_tokens=out_tokens, timed_s=busy - compiling, compile_s_excluded=compiling,
         throughput_tok_s=out_tokens / max(busy - compiling, 1e-9),
         throughput_tok_per_cpu_s=out_tokens / max(cpu - compiling, 1e-9),
         median_step_s=float(np.median(series["step_s"])),
-        prefill_tokens=getattr(engine, "num_prefill_tokens", None),
+        prefill_tokens=stats.prefill_tokens,
         waste_pct_steady=med("waste_pct"), internal_pct_steady=med("internal_pct"),
         future_pct_steady=med("future_pct"), external_pct_steady=med("external_pct"),
-        preemptions=engine.num_preemptions, pages_leaked=leaked,
+        preemptions=stats.preemptions, pages_leaked=leaked,
         series=series, page_map=page_map, outputs=drv.outputs)
 
 

@@ -5,6 +5,8 @@
 Prints a few answers, then a table: pages in use vs the dense reservation, KV bytes, output
 tokens/s, and how many sequences each cache fits in the same memory. Writes
 ``results/demo.json``. Both caches run the same greedy workload and must agree token for token.
+The paged engine runs without the prefix cache: each user's pages are its own, as in the dense
+cache, so the table compares paging alone (``experiments.sharing`` measures sharing).
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ QUESTIONS = [
 
 def run(lm, cache: str, prompts: list[list[int]], args) -> tuple[list, dict]:
     engine = paxkv.Engine(lm, cache=cache, max_seqs=args.users, max_len=args.max_len,
-                          page_size=args.page_size)
+                          page_size=args.page_size, prefix_cache=False)
     passes = []
 
     def one_pass() -> None:
-        engine.peak_pages_used = 0
+        engine.reset_stats()
         ids = [engine.submit(p, max_new_tokens=args.max_new_tokens, stop_token_ids=[])
                for p in prompts]
         results = engine.run()
@@ -56,9 +58,9 @@ def run(lm, cache: str, prompts: list[list[int]], args) -> tuple[list, dict]:
     generated = sum(len(r.token_ids) for r in out)
     cfg = lm.config
     slot_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # k + v, float32
-    page_slots = engine.page_size
-    used_slots = engine.peak_pages_used * page_slots
-    reserved_slots = engine.num_pages * page_slots
+    page_slots, peak_pages = engine.cache.page_size, engine.stats().peak_pages_used
+    used_slots = peak_pages * page_slots
+    reserved_slots = engine.cache.num_pages * page_slots
     per_seq_slots = used_slots / len(prompts)
     return out, dict(
         cache=cache, seconds=seconds, output_tokens=generated,
@@ -66,7 +68,7 @@ def run(lm, cache: str, prompts: list[list[int]], args) -> tuple[list, dict]:
         reserved_slots=reserved_slots, peak_kv_bytes=used_slots * slot_bytes,
         reserved_kv_bytes=reserved_slots * slot_bytes,
         seqs_fitting_dense_budget=int(reserved_slots // per_seq_slots),
-        peak_pages_in_use=engine.peak_pages_used, page_size=page_slots)
+        peak_pages_in_use=peak_pages, page_size=page_slots)
 
 
 def main() -> None:

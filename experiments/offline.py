@@ -8,7 +8,8 @@
 64 prompts of 64-512 tokens cut from the Python Language Reference prose that CPython ships
 (``pydoc_data.topics``), 128 greedy tokens each, EOS ignored: ``paxkv.Engine`` (paged,
 continuous batching, max_seqs 32 by default: in the decode sweep batch 64 costs the same per
-token as 32 and holds twice the KV) vs HF ``generate`` in static left-padded batches of 32,
+token as 32 and holds twice the KV; prefix cache off, else the timed pass would reuse the cold
+pass's pages) vs HF ``generate`` in static left-padded batches of 32,
 each in its own subprocess so its RSS high-water mark (``VmHWM``, restarted after loading) is
 its own. The engine runs the workload twice (cold = with compiles, then timed); its greedy
 tokens are compared with HF's.
@@ -44,11 +45,11 @@ def _paxkv_worker(job: dict[str, Any]) -> dict[str, Any]:
     rss = dict(load=peak_rss_mib())
     engine = paxkv.Engine(lm, cache="paged", max_seqs=job["max_seqs"], max_len=job["max_len"],
                           page_size=PAGE_SIZE, num_pages=job["num_pages"], attention_impl="xla",
-                          kv_dtype=jnp.dtype(job["kv_dtype"]))
+                          kv_dtype=jnp.dtype(job["kv_dtype"]), prefix_cache=False)
     passes, tokens = [], []
     for name in ("cold", "run"):
         reset = reset_peak_rss()
-        engine.peak_pages_used = engine.peak_running = engine.num_preemptions = 0
+        engine.reset_stats()
         ids = [engine.submit(p, max_new_tokens=job["max_new"], stop_token_ids=[])
                for p in job["prompts"]]
         seconds, _, results = clock(engine.run)
@@ -56,10 +57,11 @@ def _paxkv_worker(job: dict[str, Any]) -> dict[str, Any]:
         tokens.append([results[i].token_ids for i in ids])
         rss[name] = peak_rss_mib() if reset else None
     assert all(len(t) == job["max_new"] for t in tokens[1]), "paxkv stopped early"
+    stats = engine.stats()  # of the timed pass
     return dict(tokens=tokens[1], passes_identical=tokens[0] == tokens[1], cold_s=passes[0],
                 seconds=passes[1],
-                peak_running=engine.peak_running, peak_pages_used=engine.peak_pages_used,
-                num_pages=engine.num_pages, preemptions=engine.num_preemptions,
+                peak_running=stats.peak_running, peak_pages_used=stats.peak_pages_used,
+                num_pages=engine.cache.num_pages, preemptions=stats.preemptions,
                 peak_rss_mib=rss)
 
 

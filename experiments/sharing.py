@@ -44,8 +44,8 @@ HF_REFERENCE_TOK_S = 34.5  # NOTES.md: HF static batch of 32 on this workload, t
 def shared_part_pages(engine: paxkv.Engine, prefix_len: int) -> int:
     """Distinct pages holding the first ``prefix_len`` tokens of the running rows."""
     bt = np.asarray(engine.cache.table.block_tables)
-    rows = [r.row for r in engine._rows if r is not None]
-    return len(np.unique(bt[rows, : -(-prefix_len // engine.page_size)]))
+    rows = [r.row for r in engine.table.rows if r is not None]
+    return len(np.unique(bt[rows, : -(-prefix_len // engine.cache.page_size)]))
 
 
 def _submit(engine: paxkv.Engine, prompt: list[int], new: int, system: list[int] | None,
@@ -63,24 +63,23 @@ def _pass(engine: paxkv.Engine, prompts: list[list[int]], new: int, system: list
     """One timed pass of every prompt (counters are per pass); with ``fork`` the system
     prompt is submitted once with ``submit_prefix`` and every prompt forks it. Returns the
     record and the held prefix's id (cancel it when done)."""
-    before = engine.stats()
-    engine.peak_pages_used = 0
+    engine.reset_stats()
 
     def work() -> tuple[int | None, list[int], int, dict]:
         holder = engine.submit_prefix(system) if fork else None
         ids = [_submit(engine, p, new, system, holder) for p in prompts]
-        engine.step()  # everyone admitted, prefilled and one token decoded
-        return holder, ids, shared_part_pages(engine, len(system)), engine.run()
+        first = engine.step().finished  # everyone admitted, prefilled and one token decoded
+        shared = shared_part_pages(engine, len(system))
+        return holder, ids, shared, {**first, **engine.run()}
 
     seconds, _, (holder, ids, shared, results) = clock(work)
     after = engine.stats()
     return dict(tokens=[results[i].token_ids for i in ids], seconds=seconds,
-                tok_s=len(prompts) * new / seconds, peak_pages=engine.peak_pages_used,
-                peak_kv_bytes=engine.peak_pages_used * after.kv_bytes_per_page,
+                tok_s=len(prompts) * new / seconds, peak_pages=after.peak_pages_used,
+                peak_kv_bytes=after.peak_pages_used * after.kv_bytes_per_page,
                 shared_part_pages=shared,
                 shared_part_kv_bytes=shared * after.kv_bytes_per_page,
-                prefill_tokens=after.prefill_tokens - before.prefill_tokens,
-                cow_copies=after.cow_copies - before.cow_copies,
+                prefill_tokens=after.prefill_tokens, cow_copies=after.cow_copies,
                 cached_tokens=sum(results[i].num_cached_tokens for i in ids)), holder
 
 
@@ -188,9 +187,9 @@ def hf(lm: Any, args: argparse.Namespace) -> dict[str, Any]:
                               prefix_cache=on)
         ids = [engine.submit(p, max_new_tokens=new, stop_token_ids=[]) for p in prompts]
         seconds, _, results = clock(engine.run)
+        stats = engine.stats()
         return dict(tokens=[results[i].token_ids for i in ids], seconds=seconds,
-                    prefill_tokens=engine.stats().prefill_tokens,
-                    peak_pages=engine.peak_pages_used)
+                    prefill_tokens=stats.prefill_tokens, peak_pages=stats.peak_pages_used)
 
     def hf_pass() -> dict[str, Any]:
         seconds, _, tokens = clock(hf_generate, model, pad, prompts, new)

@@ -6,23 +6,27 @@ without prefilling anything twice.
 
 The loop, using only the public API of :class:`paxkv.Engine`::
 
-    engine = paxkv.Engine(lm, max_seqs=64, max_len=256)
-    root = engine.submit(prompt_ids, max_new_tokens=8, temperature=0.8, hold=True)
+    engine = paxkv.Engine(lm, max_seqs=64, max_len=256, prefix_cache=False)
+    root = engine.submit(prompt_ids, max_new_tokens=8, temperature=0.8, hold=True,
+                         stop_token_ids=[])   # EOS ignored: every node writes 8 tokens
     engine.run()                                  # the root writes 8 tokens, keeps its row
     frontier = [root]
     for level in range(depth):
         last = level == depth - 1
         kids = [c for node in frontier              # each node -> k children sharing its pages;
                 for c in engine.fork(node, k, max_new_tokens=8, hold=not last)]
-        engine.run()                              # children decode (their first write copies
-        ranked = sorted(kids, key=score, reverse=True)  # the shared partial page, nothing more)
+        results = engine.run()                    # children decode (their first write copies
+        ranked = sorted(kids, key=lambda c: score(results[c]),  # the shared partial page,
+                        reverse=True)                           # nothing more)
         for loser in ranked[keep:]:
             engine.cancel(loser)                  # pruned: pages only it held are free at once
         frontier = ranked[:keep]
 
 ``hold=True`` keeps a finished node's row (and pages) so it can be forked; ``fork`` ends the
-parent and hands its row to child 0. Child ``i`` of a node samples from ``fold_in(node key,
-i)``, so a leaf is reproducible: the check below recomputes leaves from scratch with their keys.
+parent and hands its row to child 0. ``run()`` returns the results of what finished during it,
+held nodes included. Child ``i`` of a node samples from ``fold_in(node key, i)``, so a leaf is
+reproducible: the check below recomputes leaves from scratch with their keys. The engines run
+without the prefix cache, so the memory figures count the tree's own sharing only.
 
 :func:`measure` (used by ``experiments/branching.py``) runs the full ``k ** depth`` tree and
 ``n``-sample decoding, reporting peak pages and KV bytes with sharing against what private
@@ -47,12 +51,12 @@ def grow_tree(engine: paxkv.Engine, prompt_ids: list[int], *, branch: int, depth
               tokens: int, temperature: float, seed: int, keep: int | None = None,
               score: Callable[[paxkv.GenerationResult], float] | None = None
               ) -> dict[str, Any]:
-    """Root + ``depth`` levels of ``branch`` children each (``tokens`` new tokens per node);
-    with ``keep``, only the ``keep`` best of each level (by ``score``) branch on. Returns the
-    ids of every level and the key path of each leaf."""
+    """Root + ``depth`` levels of ``branch`` children each (``tokens`` new tokens per node, EOS
+    ignored); with ``keep``, only the ``keep`` best of each level (by ``score``) branch on.
+    Returns the ids of every level, the key path of each leaf and the leaves' results."""
     root = engine.submit(prompt_ids, max_new_tokens=tokens, temperature=temperature, seed=seed,
-                         hold=True)
-    engine.run()
+                         hold=True, stop_token_ids=[])
+    results = engine.run()  # the root's (held)
     paths = {root: (jax.random.fold_in(jax.random.PRNGKey(seed), root),)}
     levels, frontier = [[root]], [root]
     for level in range(depth):
@@ -63,15 +67,16 @@ def grow_tree(engine: paxkv.Engine, prompt_ids: list[int], *, branch: int, depth
             for i, child in enumerate(ids):
                 paths[child] = paths[node] + (jax.random.fold_in(paths[node][-1], i),)
             kids += ids
-        engine.run()
+        results = engine.run()  # the kids' results (held ones too)
         levels.append(kids)
         frontier = kids
         if keep is not None and not last:
-            ranked = sorted(kids, key=lambda c: score(engine.result(c)), reverse=True)
+            ranked = sorted(kids, key=lambda c: score(results[c]), reverse=True)
             for loser in ranked[keep:]:
                 engine.cancel(loser)
             frontier = ranked[:keep]
-    return dict(levels=levels, keys={leaf: paths[leaf][-1] for leaf in levels[-1]})
+    return dict(levels=levels, keys={leaf: paths[leaf][-1] for leaf in levels[-1]},
+                results={leaf: results[leaf] for leaf in levels[-1]})
 
 
 def _pages(num_tokens: int, page_size: int) -> int:
@@ -95,25 +100,27 @@ def measure(lm: Any, *, prompt: str | list[int] | None = None, branch: int = 4, 
     ids = lm.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     leaves, leaf_len = branch ** depth, len(ids) + (depth + 1) * tokens
     size = max(leaves, n)
-    engine = paxkv.Engine(lm, max_seqs=size, max_len=_pages(leaf_len + 1, page_size) * page_size,
-                          page_size=page_size)
+    max_len = _pages(leaf_len + 1, page_size) * page_size
+    engine = paxkv.Engine(lm, max_seqs=size, max_len=max_len, page_size=page_size,
+                          prefix_cache=False)
     tree = grow_tree(engine, ids, branch=branch, depth=depth, tokens=tokens,
                      temperature=temperature, seed=seed)
     stats = engine.stats()
-    results = {leaf: engine.result(leaf) for leaf in tree["levels"][-1]}
+    results = tree["results"]
     check = []
     for leaf in list(results)[:check_leaves]:
         rid = engine.submit(results[leaf].prompt_ids, max_new_tokens=tokens,
-                            temperature=temperature, key=tree["keys"][leaf])
+                            temperature=temperature, key=tree["keys"][leaf], stop_token_ids=[])
         check.append(engine.run()[rid].token_ids == results[leaf].token_ids)
     page_bytes = stats.kv_bytes_per_page
     out = dict(tree=_memory(stats.peak_pages_used, leaves * _pages(leaf_len, page_size),
                             page_bytes, stats, branch=branch, depth=depth, leaves=leaves,
                             check=all(check), leaves_checked=len(check)))
 
-    engine = paxkv.Engine(lm, max_seqs=size, max_len=engine.max_len, page_size=page_size)
+    engine = paxkv.Engine(lm, max_seqs=size, max_len=max_len, page_size=page_size,
+                          prefix_cache=False)
     rid = engine.submit(ids, n=n, max_new_tokens=(depth + 1) * tokens, temperature=temperature,
-                        seed=seed)
+                        seed=seed, stop_token_ids=[])
     samples = engine.run()[rid].samples
     out["samples"] = _memory(engine.stats().peak_pages_used,
                              n * _pages(leaf_len, page_size), page_bytes, engine.stats(), n=n,
@@ -131,13 +138,13 @@ def _memory(peak: int, unshared: int, page_bytes: int, stats: Any, **extra: Any)
 
 def worked_example(lm: Any, args: argparse.Namespace) -> list[str]:
     """The loop of the module docstring with pruning: keep the 2 most varied children."""
-    engine = paxkv.Engine(lm, max_seqs=args.branch ** 2, max_len=256)
+    engine = paxkv.Engine(lm, max_seqs=args.branch ** 2, max_len=256, prefix_cache=False)
     ids = lm.encode(lm.chat_prompt([{"role": "user", "content": PROMPT}]))
     tree = grow_tree(engine, ids, branch=args.branch, depth=args.depth, tokens=args.tokens,
                      temperature=0.8, seed=args.seed, keep=2,
                      score=lambda r: len(set(r.token_ids)))
-    return [lm.decode(engine.result(leaf).prompt_ids[len(ids):] + engine.result(leaf).token_ids)
-            for leaf in tree["levels"][-1] if engine.result(leaf).finish_reason != "cancelled"]
+    return [lm.decode(r.prompt_ids[len(ids):] + r.token_ids) for r in tree["results"].values()
+            if r.finish_reason != "cancelled"]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,42 +7,14 @@ zero leaks, plots), not the model's speed.
 
 from __future__ import annotations
 
-import functools
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv import models
 from experiments import accounting, cancel, capacity, common, plots, reserve, short
-from paxkv.models.config import LlamaConfig
-from paxkv.models.llama import Llama
-from paxkv.full_attention import NoCache
-from paxkv.step_info import StepInfo
-
-
-class _Bytes:
-    """Text <-> byte ids: enough tokenizer for the experiments' prompts and results."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i % 256 for i in ids).decode("latin-1")
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_lm() -> models.LanguageModel:
-    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=2, num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
-    step = StepInfo.make(jnp.array([4]), jnp.array([4]), 4)
-    shapes = jax.eval_shape(lambda: Llama(cfg).init(jax.random.PRNGKey(0),
-                                                    jnp.zeros((1, 4), jnp.int32), step, NoCache()))
-    rng = np.random.default_rng(0)  # random weights without compiling flax's init
-    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), s.dtype), shapes)
-    return models.LanguageModel(cfg, params, _Bytes(), "tiny")
+from tiny import tiny_lm
 
 
 def test_arena_first_fit_and_stranded_holes():
