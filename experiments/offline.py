@@ -29,6 +29,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from paxkv import models
+from experiments.accounting import CompileClock
 from experiments.common import (clock, cpu_seconds, english_prompts, hf_generate, peak_rss_mib,
                                 print_table, record, reset_peak_rss, run_worker,
                                 token_agreement, write_json)
@@ -46,23 +47,37 @@ def _paxkv_worker(job: dict[str, Any]) -> dict[str, Any]:
     engine = paxkv.Engine(lm, cache="paged", max_seqs=job["max_seqs"], max_len=job["max_len"],
                           page_size=PAGE_SIZE, num_pages=job["num_pages"], attention_impl="xla",
                           kv_dtype=jnp.dtype(job["kv_dtype"]), prefix_cache=False)
-    passes, tokens = [], []
+    passes, tokens, compiles = [], [], []
     for name in ("cold", "run"):
         reset = reset_peak_rss()
         engine.reset_stats()
         ids = [engine.submit(p, max_new_tokens=job["max_new"], stop_token_ids=[])
                for p in job["prompts"]]
-        seconds, _, results = clock(engine.run)
+        with CompileClock() as compile_clock:
+            seconds, _, results = clock(engine.run)
+        compiles.append(dict(compile_s=compile_clock.total, variants=_step_variants()))
         passes.append(seconds)
         tokens.append([results[i].token_ids for i in ids])
         rss[name] = peak_rss_mib() if reset else None
     assert all(len(t) == job["max_new"] for t in tokens[1]), "paxkv stopped early"
     stats = engine.stats()  # of the timed pass
     return dict(tokens=tokens[1], passes_identical=tokens[0] == tokens[1], cold_s=passes[0],
-                seconds=passes[1],
+                seconds=passes[1], cold_compile_s=compiles[0]["compile_s"],
+                compiled_steps=compiles[0]["variants"],
+                warm_compile_s=compiles[1]["compile_s"],
                 peak_running=stats.peak_running, peak_pages_used=stats.peak_pages_used,
                 num_pages=engine.cache.num_pages, preemptions=stats.preemptions,
                 peak_rss_mib=rss)
+
+
+def _step_variants() -> dict[str, int]:
+    """Compiled variants of each jitted engine step so far (shapes x static plans)."""
+    from paxkv import cache_ops, steps
+
+    fns = dict(prefill_step=steps.prefill_step, decode_step=steps.decode_step,
+               release_rows=cache_ops.release_rows, fork_rows=cache_ops.fork_rows,
+               attach_rows=cache_ops.attach_rows, retain_pages=cache_ops.retain_pages)
+    return {name: fn._cache_size() for name, fn in fns.items()}
 
 
 def _hf_worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -147,6 +162,14 @@ def offline(lm, args) -> dict[str, Any]:
     print()
     print_table(["system", "tok/s", "cold tok/s", "peak RSS MiB: timed run (load)",
                  "KV MiB (reserved / peak)", "tokens vs HF"], rows)
+    for r in runs:
+        variants = r["compiled_steps"]
+        print(f"cold start, max_seqs {r['max_seqs']}: first pass {r['cold_tok_s']:.1f} tok/s "
+              f"= {r['cold_tok_s'] / r['tok_s']:.2f}x the second and "
+              f"{r['cold_tok_s'] / hf['tok_s']:.2f}x HF; {r['cold_compile_s']:.1f} s compiling "
+              f"{sum(variants.values())} step variants ({variants}); second pass "
+              f"{r['warm_compile_s']:.1f} s. JAX_COMPILATION_CACHE_DIR="
+              f"{os.environ.get('JAX_COMPILATION_CACHE_DIR', '(unset)')}")
     print("peers measured on this machine: HF static 42 tok/s, HF paged continuous batching "
           "19, llama.cpp 52")
     return dict(prompt_source=f"pydoc_data.topics (CPython {sys.version.split()[0]}), topics "

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paxkv.attention import chunked
+from paxkv.attention.query_tiles import query_tiles
 from paxkv.kv_storage import full, readable, to_storage
 from paxkv.attention.blocks import attend_blocks, default_sm_scale
 from paxkv.step_info import StepInfo
@@ -166,8 +167,8 @@ def _attend_rows(k_all: jax.Array, v_all: jax.Array, layer: jax.Array, rows: jax
         return (readable(lax.dynamic_slice(k_all, at, size)),
                 readable(lax.dynamic_slice(v_all, at, size)))
 
-    return chunked.query_tiles(q, step.positions, step.lengths, rows, read, width=window,
-                               unit=1, **scores)
+    return query_tiles(q, step.positions, step.lengths, rows, read, width=window, unit=1,
+                       **scores)
 
 
 # Keys per decode tile: the paged path's 32 chunks of 128 (paxkv.paged_cache.TILE_CHUNKS).

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv.attention import chunked
+from paxkv.attention import chunked, query_tiles
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       paged_prefill_attention_reference)
 from paxkv import paged_cache
@@ -185,7 +185,7 @@ def test_query_tiles_equal_one_pass(capped):
     soft-cap (``CAPPED``)."""
     rng = np.random.default_rng(5)
     page_size, rows, width, t = 8, 3, 40, 192  # tiles of 96 queries
-    assert chunked.query_tile(t) == 96 and chunked.query_tile(100) == 100
+    assert query_tiles.query_tile(t) == 96 and query_tiles.query_tile(100) == 100
     block_tables = rng.permutation(rows * width).reshape(rows, width).astype(np.int32)
     # Row 0: cached context before its queries (every tile reads the whole window); row 1:
     # a fresh prompt (its first tile reads half of it); row 2: padding queries.
@@ -196,7 +196,8 @@ def test_query_tiles_equal_one_pass(capped):
     q_scale, settings = (CAPPED_Q, CAPPED) if capped else (1.0, dict(sm_scale=0.25))
     q = jnp.asarray(q_scale * rng.standard_normal((rows, t, 6, 16)), jnp.float32)
     step = StepInfo.make(lengths, query_lengths, t)
-    out = jax.jit(chunked.attend_in_query_tiles, static_argnames=("sm_scale", "logit_soft_cap"))(
+    out = jax.jit(query_tiles.attend_in_query_tiles,
+                  static_argnames=("sm_scale", "logit_soft_cap"))(
         q, k, v, block_tables, step.positions, step.lengths, **settings)
     reference = functools.partial(paged_prefill_attention_reference, q, jnp.nan_to_num(k),
                                   jnp.nan_to_num(v), block_tables, lengths, query_lengths)

@@ -128,6 +128,7 @@ def test_an_engine_with_a_bfloat16_cache_holds_two_bytes_a_value_and_frees_every
     ids = [engine.submit(p, max_new_tokens=6, stop_token_ids=[]) for p in prompts]
     results = engine.run()
     assert [len(results[i].token_ids) for i in ids] == [6, 6, 6]
+    engine.clear_prefix_cache()
     assert int(engine.cache.free_pages()) == engine.cache.num_pages, "a leaked page"
     values_per_page = 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim  # K and V
     assert engine.stats().kv_bytes_per_page == 2 * values_per_page

@@ -58,30 +58,45 @@ def attend_blocks(
       to (length 0, padding queries) are zero.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
-    _, num_blocks, num_kv_heads, block_size, _ = k_blocks.shape
-    group = num_q_heads // num_kv_heads
-    q_grouped = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-
-    key_pos = (jnp.arange(num_blocks)[:, None] * block_size + jnp.arange(block_size)[None, :])
-    key_live = key_pos[None] < lengths[:, None, None]  # [b, m, s]
-    # [b, t, m, s]: a query sees live keys at or before its own position.
-    visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
-    visible &= (q_positions >= 0)[:, :, None, None]
-
-    scores = scale_scores(jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
-                                     preferred_element_type=jnp.float32),
-                          sm_scale, logit_soft_cap)
-    scores = jnp.where(visible[:, :, None, None], scores, _NEG_INF)
+    num_kv_heads = k_blocks.shape[2]
+    q_grouped = q.reshape(batch, q_len, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    scores, v_live = _masked_scores(q_grouped, k_blocks, v_blocks, q_positions, lengths, 0,
+                                    sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
     row_max = jnp.max(scores, axis=(-2, -1), keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     probs = jnp.exp(scores - row_max)  # exp(-inf) = 0 for masked keys
     denom = jnp.sum(probs, axis=(-2, -1), keepdims=True)
     probs = probs / jnp.where(denom > 0, denom, 1.0)
-    # Zero masked values too: 0 * NaN would still be NaN.
-    v_live = jnp.where(key_live[:, :, None, :, None], v_blocks, jnp.zeros((), v_blocks.dtype))
     out = jnp.einsum("btkgms,bmksd->btkgd", probs.astype(v_blocks.dtype), v_live,
                      preferred_element_type=jnp.float32)
     return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _masked_scores(q_grouped: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array,
+                   q_positions: jax.Array, lengths: jax.Array, first_key: int, *,
+                   sm_scale: float, logit_soft_cap: float | None) -> tuple[jax.Array, jax.Array]:
+    """Each row's scores against its own blocks, masked, and its values, masked.
+
+    Key position ``first_key + m * block_size + s`` is ``k_blocks[:, m, :, s]``. A query sees
+    the live keys (before ``lengths``) at or before its own position; a padding query (negative
+    position) sees none.
+
+    Returns:
+      ``(scores, v_live)``: float32 ``[b, t, kv_heads, group, m, s]`` (-inf where not
+      visible) and ``v_blocks`` with every key past ``lengths`` zeroed (0 * NaN would still
+      be NaN).
+    """
+    _, num_blocks, _, block_size, _ = k_blocks.shape
+    in_blocks = jnp.arange(num_blocks)[:, None] * block_size + jnp.arange(block_size)[None]
+    key_pos = first_key + in_blocks  # [m, s]
+    key_live = key_pos[None] < lengths[:, None, None]  # [b, m, s]
+    visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
+    visible &= (q_positions >= 0)[:, :, None, None]  # [b, t, m, s]
+    scores = scale_scores(jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
+                                     preferred_element_type=jnp.float32),
+                          sm_scale, logit_soft_cap)
+    v_live = jnp.where(key_live[:, :, None, :, None], v_blocks, jnp.zeros((), v_blocks.dtype))
+    return jnp.where(visible[:, :, None, None], scores, _NEG_INF), v_live
 
 
 def attend_blocks_with_prefix(
@@ -123,40 +138,35 @@ def attend_blocks_with_prefix(
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     prefix_pages, num_kv_heads, page_size, _ = k_prefix.shape
-    _, num_blocks, _, block_size, _ = k_blocks.shape
     group = num_q_heads // num_kv_heads
-    prefix = prefix_pages * page_size
     q_grouped = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-    real = q_positions >= 0  # [b, t]
-
     # The shared part: every (row, query) at once, as partials [b, t, k, g(, d)].
     shared = attend_shared_pages(q_grouped.reshape(batch * q_len, num_kv_heads, group, head_dim),
-                                 k_prefix, v_prefix, real.reshape(-1), sm_scale=sm_scale,
-                                 logit_soft_cap=logit_soft_cap)
-    m_shared, l_shared, o_shared = (x.reshape((batch, q_len) + x.shape[1:]) for x in shared)
+                                 k_prefix, v_prefix, (q_positions >= 0).reshape(-1),
+                                 sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
+    shared = tuple(x.reshape((batch, q_len) + x.shape[1:]) for x in shared)
+    s_own, v_live = _masked_scores(q_grouped, k_blocks, v_blocks, q_positions, lengths,
+                                   prefix_pages * page_size, sm_scale=sm_scale,
+                                   logit_soft_cap=logit_soft_cap)
+    out = _softmax_with_shared(shared, s_own, v_live)
+    return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
 
-    # The per-row rest, masked as in attend_blocks.
-    key_pos = prefix + jnp.arange(num_blocks)[:, None] * block_size + jnp.arange(block_size)
-    key_live = key_pos[None] < lengths[:, None, None]  # [b, m, s]
-    visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
-    visible &= real[:, :, None, None]  # [b, t, m, s]
-    s_own = scale_scores(jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
-                                    preferred_element_type=jnp.float32),
-                         sm_scale, logit_soft_cap)
-    s_own = jnp.where(visible[:, :, None, None], s_own, _NEG_INF)
 
-    # One softmax over both parts: rescale the shared partials to the joint max.
+def _softmax_with_shared(shared: tuple[jax.Array, jax.Array, jax.Array], s_own: jax.Array,
+                         v_live: jax.Array) -> jax.Array:
+    """One softmax over the shared partials ``(max, sum, out)`` ``[b, t, k, g(, d)]`` and the
+    row's own masked scores and values (:func:`_masked_scores`) -> float32 ``[b, t, k, g, d]``:
+    the shared partials are rescaled to the joint max."""
+    m_shared, l_shared, o_shared = shared
     row_max = jnp.maximum(m_shared, jnp.max(s_own, axis=(-2, -1)))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # [b, t, k, g]
     w_shared = jnp.where(jnp.isfinite(m_shared), jnp.exp(m_shared - row_max), 0.0)
     p_own = jnp.exp(s_own - row_max[..., None, None])
     denom = w_shared * l_shared + jnp.sum(p_own, axis=(-2, -1))
-    v_live = jnp.where(key_live[:, :, None, :, None], v_blocks, jnp.zeros((), v_blocks.dtype))
     out = (w_shared[..., None] * o_shared
-           + jnp.einsum("btkgms,bmksd->btkgd", p_own.astype(v_blocks.dtype), v_live,
+           + jnp.einsum("btkgms,bmksd->btkgd", p_own.astype(v_live.dtype), v_live,
                         preferred_element_type=jnp.float32))
-    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
+    return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def attend_shared_pages(

@@ -172,18 +172,14 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     q_grouped = q.reshape(batch, num_kv_heads, group, head_dim)
     slot = jnp.arange(chunk_pages)[:, None] * page_size + jnp.arange(page_size)[None]  # [c, s]
 
-    def pages_of(pool: jax.Array, pages: jax.Array) -> jax.Array:
-        index = (pages,) if layer is None else (layer, pages)
-        return readable(read_in_range(pool, *index))
-
     def tile(args: tuple[jax.Array, ...]) -> Partial:
         row, first, valid = args  # [T]
         pages = tile_pages(block_tables, row, first, chunk_pages)
         key_pos = first[:, None, None] * page_size + slot[None]  # [T, c, s]
         key_live = (key_pos < lengths[row][:, None, None]) & valid[:, None, None]
 
-        k = pages_of(k_pages, pages)  # [T, c, k, s, d]
-        v = pages_of(v_pages, pages)
+        k = _read_pages(k_pages, pages, layer)  # [T, c, k, s, d]
+        v = _read_pages(v_pages, pages, layer)
         n = k.shape[0]
         # One transpose each (two in a row fuse into a copy that runs 2x slower here).
         k_t = k.transpose(0, 2, 4, 1, 3).reshape(n, num_kv_heads, head_dim, -1)  # [T, k, d, cs]
@@ -220,6 +216,13 @@ def tile_pages(block_tables: jax.Array, row: jax.Array, first: jax.Array,
     copies, their arithmetic would run once per copied element."""
     cols = jnp.minimum(first[:, None] + jnp.arange(chunk_pages)[None], block_tables.shape[1] - 1)
     return lax.optimization_barrier(jnp.take_along_axis(block_tables[row], cols, axis=1))
+
+
+def _read_pages(pool: jax.Array, pages: jax.Array, layer: jax.Array | None) -> jax.Array:
+    """The pages ``pages`` (any shape) of one layer's pool, or of layer ``layer`` of a whole
+    pool, as attention reads them (:func:`paxkv.kv_storage.readable`)."""
+    index = (pages,) if layer is None else (layer, pages)
+    return readable(read_in_range(pool, *index))
 
 
 def read_in_range(x: jax.Array, *index: jax.Array | slice) -> jax.Array:

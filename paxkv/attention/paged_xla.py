@@ -1,7 +1,7 @@
 """The paged cache's XLA attention (every backend; the fast path on a CPU).
 
-Prefill (``t > 1`` queries a row) runs per (row, query tile) (:mod:`paxkv.attention.chunked`);
-decode (one query a row) runs over a ragged list of chunks of the rows' own keys. Both use the
+Prefill (``t > 1`` queries a row) runs per (row, query tile) (:mod:`paxkv.attention.query_tiles`);
+decode (one query a row) over a ragged list of chunks of the rows' own keys (:mod:`.chunked`). Both use the
 step's :class:`~paxkv.attention.plan.AttentionPlan` where it holds and check it here, inside the
 step: a shared prefix must be the same pages in every live row with every query past it, and a
 decode chunk list must cover every live row's keys. When a hint fails, the step attends per row
@@ -19,6 +19,7 @@ from paxkv import pool as kv_pool
 from paxkv.attention import chunked
 from paxkv.attention.blocks import attend_blocks, attend_blocks_with_prefix, attend_shared_pages
 from paxkv.attention.plan import TILE_CHUNKS, AttentionPlan, chunk_pages
+from paxkv.attention.query_tiles import attend_in_query_tiles
 from paxkv.step_info import StepInfo
 
 
@@ -41,9 +42,8 @@ def _prefill(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables:
 
     def per_row() -> jax.Array:
         if chunked.tiles_pay():
-            return chunked.attend_in_query_tiles(q, pool.k, pool.v, block_tables,
-                                                 step.positions, step.lengths, layer=layer,
-                                                 **scores)
+            return attend_in_query_tiles(q, pool.k, pool.v, block_tables, step.positions,
+                                         step.lengths, layer=layer, **scores)
         return attend_blocks(q, *pool.read(layer, block_tables), step.positions, step.lengths,
                              **scores)
 
