@@ -1,7 +1,7 @@
 """The paged cache's XLA attention (every backend; the fast path on a CPU).
 
-Prefill (``t > 1`` queries a row) runs per (row, query tile) (:mod:`paxkv.attention.query_tiles`);
-decode (one query a row) over a ragged list of chunks of the rows' own keys (:mod:`.chunked`). Both use the
+Prefill (``t > 1`` queries a row) runs per (row, query tile) (:mod:`.query_tiles`); decode (one
+query a row) over a ragged list of chunks of the rows' own keys (:mod:`.chunked`). Both use the
 step's :class:`~paxkv.attention.plan.AttentionPlan` where it holds and check it here, inside the
 step: a shared prefix must be the same pages in every live row with every query past it, and a
 decode chunk list must cover every live row's keys. When a hint fails, the step attends per row
