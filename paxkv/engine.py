@@ -79,7 +79,7 @@ class Engine:
         if prefix_cache and not kv.shares_pages:
             raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared)")
         self.model = model
-        self.table = RequestTable(max_seqs)
+        self.table = RequestTable(kv.max_seqs)
         self.ops = CacheOps(kv)
         use_index = kv.shares_pages if prefix_cache is None else prefix_cache
         self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
