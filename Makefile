@@ -5,9 +5,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-# JAX's persistent compilation cache: a second run skips most compiles.
-export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax-cache
-
 .PHONY: demo test test-fast experiments clean
 
 $(VENV)/.runtime: pyproject.toml
@@ -33,4 +30,4 @@ test-fast: $(VENV)/.testing
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not oracle and not model and not slow"
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .jax-cache
+	rm -rf $(VENV) results .pytest_cache
