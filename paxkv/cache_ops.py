@@ -81,8 +81,9 @@ class CacheOps:
     """The cache, its free-page count and its copy-on-write count, changed only through the
     jitted operations below."""
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, max_len: int | None = None):
         self.cache = cache
+        self.max_len = cache.max_len if max_len is None else min(max_len, cache.max_len)
         self.free = cache.num_pages
         self.peak_used = 0
         self.cow_copies = 0
@@ -100,9 +101,9 @@ class CacheOps:
         """Raises a ``ValueError`` naming what to change when a request of ``prompt_len`` +
         ``max_new_tokens`` tokens could never fit the cache, even alone."""
         total, cache = prompt_len + max_new_tokens, self.cache
-        if total > cache.max_len:
+        if total > self.max_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens})"
-                             f" = {total} exceeds max_len={cache.max_len}: raise max_len or "
+                             f" = {total} exceeds max_len={self.max_len}: raise max_len or "
                              "shorten the request")
         pages = buckets.cdiv(total, cache.page_size)
         if cache.shares_pages and pages > cache.num_pages:

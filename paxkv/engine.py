@@ -80,7 +80,7 @@ class Engine:
             raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared)")
         self.model = model
         self.table = RequestTable(kv.max_seqs)
-        self.ops = CacheOps(kv)
+        self.ops = CacheOps(kv, None if isinstance(cache, KVCache) else max_len)
         use_index = kv.shares_pages if prefix_cache is None else prefix_cache
         self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
         self.counters = Counters()

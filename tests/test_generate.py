@@ -152,7 +152,7 @@ def test_nan_poisoned_free_pages_change_nothing(lm, prompts):
 
 def test_cancel_frees_pages_at_once_and_spares_others(lm, prompts):
     baseline, _ = run_engine(lm, prompts[:3], max_new_tokens=10, max_seqs=4, page_size=8)
-    engine = paxkv.Engine(lm, max_len=256, max_seqs=4, page_size=8)
+    engine = paxkv.Engine(lm, max_len=256, max_seqs=4, page_size=8, prefix_cache=False)
     ids = [engine.submit(p, max_new_tokens=10, stop_token_ids=[]) for p in prompts[:3]]
     engine.step()
     engine.step()
