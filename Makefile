@@ -15,7 +15,7 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 $(VENV)/.testing: $(VENV)/.runtime
-	$(PY) -m pip install -q -e '.[test,oracle]'
+	$(PY) -m pip install -q -e '.[test,oracle,eval]'
 	touch $@
 
 demo: $(VENV)/.runtime

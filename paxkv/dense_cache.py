@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jax import lax
 
-from paxkv.attention import chunked
+from paxkv.attention import chunked, partials
 from paxkv.attention.query_tiles import query_tiles
 from paxkv.kv_storage import full, readable, to_storage
 from paxkv.attention.blocks import attend_blocks, default_sm_scale
@@ -180,7 +180,7 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                           scores: dict) -> jax.Array:
     """Decode attention ``q [b, 1, heads, d]`` a group of rows at a time under ``lax.map``
     (``TILE_TOKENS`` keys a group, the batch split evenly) -> ``[b, 1, heads, d]``, through
-    the paged path's inner product (:func:`paxkv.attention.chunked.keys_partial`)."""
+    the paged path's inner product (:func:`paxkv.attention.partials.keys_partial`)."""
     batch = q.shape[0]
     group = 1
     while 2 * group * window <= TILE_TOKENS and batch % (2 * group) == 0:
@@ -194,13 +194,13 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                 & (positions >= 0))  # [group, window]
 
         def read(kv: jax.Array) -> jax.Array:  # [group, kv_heads, window, d]
-            return readable(chunked.read_in_range(kv, layer, rows_g, slice(None),
+            return readable(partials.read_in_range(kv, layer, rows_g, slice(None),
                                                   slice(None, window)))
 
-        parts = chunked.keys_partial(q_g.reshape(group, kv_heads, -1, head_dim),
+        parts = partials.keys_partial(q_g.reshape(group, kv_heads, -1, head_dim),
                                      read(k_all).swapaxes(-1, -2), read(v_all), live,
                                      **scores)
-        return chunked.finish(parts, q.dtype)[:, None]
+        return partials.finish(parts, q.dtype)[:, None]
 
     split = lambda x: x.reshape((batch // group, group) + x.shape[1:])  # noqa: E731
     out = lax.map(one, (split(q), split(rows), split(step.positions), split(step.lengths)))

@@ -18,7 +18,8 @@ an inactive row is all sentinel with length 0; row ``b`` holds exactly
 
 Allocation takes free pages in increasing id order with one cumsum over the pool (no per-page
 loops); requests are granted first-come (by row) all-or-nothing per sequence. The accounting
-(:func:`stats`, :func:`sharing_stats`) lives in :mod:`paxkv.page_stats` and is re-exported here.
+(:func:`stats`, :func:`sharing_stats`) lives in :mod:`paxkv.page_stats` and the arithmetic of a
+grant in :mod:`paxkv.page_alloc`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from paxkv.buckets import cdiv
+from paxkv.page_alloc import (PoolUpdate, free_page_ids, grant, keepers,  # noqa: F401
+                              place_new_pages, pool_update)
 from paxkv.page_stats import SharingStats, TableStats, sharing_stats, stats  # noqa: F401
 
 
@@ -92,26 +95,6 @@ def create(*, num_pages: int, page_size: int, max_seqs: int,
         page_size=page_size, num_pages=num_pages)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PoolUpdate:
-    """What the pool must do after a table operation (ids past the pool are no-ops).
-
-    Attributes:
-      fresh_pages: int32 ``[alloc_limit]``: pages just handed out (to scrub before use).
-      copy_src, copy_dst: int32 ``[max_seqs]``: copy-on-write copies, page ``src -> dst``.
-    """
-
-    fresh_pages: jax.Array
-    copy_src: jax.Array
-    copy_dst: jax.Array
-
-
-def _free_page_ids(ref_counts: jax.Array, size: int, fill: int) -> jax.Array:
-    """The first ``size`` free page ids in increasing order, ``fill``-padded (one pass)."""
-    return jnp.nonzero(ref_counts == 0, size=size, fill_value=fill)[0].astype(jnp.int32)
-
-
 def reserve(table: PageTable, num_new: jax.Array, *, max_new: int,
             cow: jax.Array | None = None) -> tuple[PageTable, PoolUpdate, jax.Array]:
     """Makes room for ``num_new[b]`` more tokens in each sequence, all-or-nothing per row.
@@ -141,12 +124,12 @@ def reserve(table: PageTable, num_new: jax.Array, *, max_new: int,
     need = cdiv(new_len, table.page_size) - held + needs_copy.astype(jnp.int32)  # [s]
     fits = (num_new >= 0) & (num_new <= max_new) & (new_len <= table.max_len)
     alloc_limit = min(table.num_pages, table.max_seqs * (cdiv(max_new, table.page_size) + 1))
-    free_ids = _free_page_ids(table.ref_counts, alloc_limit, table.num_pages + 1)
-    ok, granted = _grant(table.ref_counts, need, fits, alloc_limit)
+    free_ids = free_page_ids(table.ref_counts, alloc_limit, table.num_pages + 1)
+    ok, granted = grant(table.ref_counts, need, fits, alloc_limit)
     first_rank = jnp.cumsum(granted) - granted  # [s]: where each row's pages start in free_ids
-    block_tables = _place_new_pages(table.block_tables, free_ids, ok, granted, first_rank,
+    block_tables = place_new_pages(table.block_tables, free_ids, ok, granted, first_rank,
                                     held - needs_copy.astype(jnp.int32))
-    update = _pool_update(free_ids, ok & needs_copy, last_page, first_rank, jnp.sum(granted),
+    update = pool_update(free_ids, ok & needs_copy, last_page, first_rank, jnp.sum(granted),
                           table.num_pages + 1)
     ref_counts = (table.ref_counts.at[update.fresh_pages].add(1, mode="drop")
                   .at[update.copy_src].add(-1, mode="drop"))
@@ -166,61 +149,9 @@ def _copies_needed(table: PageTable, num_new: jax.Array, held: jax.Array,
     wants_cow = (num_new > 0) if cow is None else ((num_new > 0) | cow)
     writes_last = wants_cow & partial
     refs = jnp.take(table.ref_counts, last_page, mode="fill", fill_value=0)
-    keeps = _keepers(table, last_page, writes_last, refs) & (num_new > 0)  # explicit COW: all copy
+    keeps = keepers(last_page, writes_last, refs, table.lengths, num_pages=table.num_pages,
+                    max_len=table.max_len) & (num_new > 0)  # explicit COW: every row copies
     return last_page, writes_last & (refs > 1) & ~keeps
-
-
-def _keepers(table: PageTable, last_page: jax.Array, writes_last: jax.Array,
-             refs: jax.Array) -> jax.Array:
-    """bool ``[max_seqs]``: rows that may write into their shared partial last page in place."""
-    # When every holder of a shared partial page writes in this call and all hold the same
-    # length, the highest row keeps the page and only the others copy (beam search: 4 beams
-    # cost 3 copies, not 4). Equal lengths make this safe even if another holder's copy fails:
-    # the keeper writes at a slot no other holder reads yet.
-    page_or_oob = jnp.where(writes_last, last_page, table.num_pages + 1)
-    rows = jnp.arange(table.max_seqs, dtype=jnp.int32)
-    empty = jnp.zeros((table.num_pages,), jnp.int32)
-    writers = empty.at[page_or_oob].add(1, mode="drop")
-    keeper = (empty - 1).at[page_or_oob].max(rows, mode="drop")
-    len_lo = (empty + table.max_len + 1).at[page_or_oob].min(table.lengths, mode="drop")
-    len_hi = (empty - 1).at[page_or_oob].max(table.lengths, mode="drop")
-    at_last = functools.partial(jnp.take, indices=last_page, mode="fill", fill_value=-2)
-    all_write = (at_last(writers) == refs) & (at_last(len_lo) == at_last(len_hi))
-    return all_write & (at_last(keeper) == rows)
-
-
-def _grant(ref_counts: jax.Array, need: jax.Array, fits: jax.Array,
-           alloc_limit: int) -> tuple[jax.Array, jax.Array]:
-    """Rows served first-come by row: ``ok`` (bool) and pages granted (int32), ``[max_seqs]``."""
-    num_free = jnp.minimum(jnp.sum(ref_counts == 0), alloc_limit)
-    want = jnp.where(fits, need, 0)
-    # NOTE: a row needing no page (num_new = 0, or room in its own last page) is never
-    # blocked; a row needing pages is, once an earlier row's request no longer fits.
-    ok = fits & ((need == 0) | (jnp.cumsum(want) <= num_free))
-    return ok, jnp.where(ok, need, 0)
-
-
-def _place_new_pages(block_tables: jax.Array, free_ids: jax.Array, ok: jax.Array,
-                     granted: jax.Array, first_rank: jax.Array,
-                     first_cell: jax.Array) -> jax.Array:
-    """The block tables with each granted row's new pages written in from ``first_cell``."""
-    # Cell (b, m) receives free_ids[first_rank[b] + k] where k counts the row's new pages:
-    # the copy (if any) takes k = 0 and lands in cell held-1; growth fills cells held.. .
-    m = jnp.arange(block_tables.shape[1], dtype=jnp.int32)[None, :]
-    first_cell = first_cell[:, None]
-    new_cell = ok[:, None] & (m >= first_cell) & (m < first_cell + granted[:, None])
-    rank = first_rank[:, None] + (m - first_cell)
-    return jnp.where(new_cell, free_ids[jnp.clip(rank, 0, free_ids.shape[0] - 1)], block_tables)
-
-
-def _pool_update(free_ids: jax.Array, copy_ok: jax.Array, last_page: jax.Array,
-                 first_rank: jax.Array, total: jax.Array, oob: int) -> PoolUpdate:
-    """The pages handed out (the first ``total`` of ``free_ids``) and the copies to make."""
-    alloc_limit = free_ids.shape[0]
-    copy_src = jnp.where(copy_ok, last_page, oob)
-    copy_dst = jnp.where(copy_ok, free_ids[jnp.clip(first_rank, 0, alloc_limit - 1)], oob)
-    fresh = jnp.where(jnp.arange(alloc_limit) < total, free_ids, oob)
-    return PoolUpdate(fresh, copy_src, copy_dst)
 
 
 def copy_on_write(table: PageTable, rows: jax.Array) -> tuple[PageTable, PoolUpdate, jax.Array]:

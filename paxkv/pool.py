@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from paxkv import kv_storage
-from paxkv.page_table import PoolUpdate
+from paxkv.page_alloc import PoolUpdate
 
 
 @jax.tree_util.register_dataclass

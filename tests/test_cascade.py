@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import paxkv
-from paxkv.attention import blocks, chunked
+from paxkv.attention import blocks, chunked, partials
 from paxkv import paged_cache
 from paxkv import buckets
 from paxkv.attention import paged_xla
@@ -98,9 +98,9 @@ def test_shared_pages_partials_are_attention_over_the_prefix(cap):
                           for _ in range(2))
     live = np.ones(n, bool)
     live[3] = False
-    parts = chunked.Partial(*blocks.attend_shared_pages(q, k_prefix, v_prefix, jnp.asarray(live),
+    parts = partials.Partial(*blocks.attend_shared_pages(q, k_prefix, v_prefix, jnp.asarray(live),
                                                         sm_scale=SM_SCALE, logit_soft_cap=cap))
-    out = np.asarray(chunked.finish(parts, jnp.float32))  # [n, heads, d]
+    out = np.asarray(partials.finish(parts, jnp.float32))  # [n, heads, d]
     # The oracle: each query as a one-row batch at the prefix's end, over the prefix's pages.
     oracle = functools.partial(
         blocks.attend_blocks, q.reshape(n, 1, kvh * g, d),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv.attention import chunked, query_tiles
+from paxkv.attention import chunked, partials, query_tiles
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       paged_prefill_attention_reference)
 from paxkv import paged_cache
@@ -135,22 +135,22 @@ def test_merge_of_disjoint_key_sets_is_one_softmax():
     scores = rng.standard_normal((2, 1, 3, 10)) * 4  # [b, kv heads, group, keys]
     values = rng.standard_normal((10, 5))
 
-    def partial(s: np.ndarray, vals: np.ndarray) -> chunked.Partial:
+    def partial(s: np.ndarray, vals: np.ndarray) -> partials.Partial:
         top = s.max(-1)
         p = np.exp(s - top[..., None])
-        return chunked.Partial(*(jnp.asarray(x, jnp.float32) for x in (top, p.sum(-1), p @ vals)))
+        return partials.Partial(*(jnp.asarray(x, jnp.float32) for x in (top, p.sum(-1), p @ vals)))
 
-    merged = chunked.merge(partial(scores[..., :6], values[:6]),
+    merged = partials.merge(partial(scores[..., :6], values[:6]),
                            partial(scores[..., 6:], values[6:]))
     p = np.exp(scores - scores.max(-1, keepdims=True))
     want = ((p / p.sum(-1, keepdims=True)) @ values).reshape(2, 3, 5)
-    np.testing.assert_allclose(np.asarray(chunked.finish(merged, jnp.float32)), want, rtol=1e-5)
-    empty = chunked.Partial(jnp.full((2, 1, 3), -jnp.inf), jnp.zeros((2, 1, 3)),
+    np.testing.assert_allclose(np.asarray(partials.finish(merged, jnp.float32)), want, rtol=1e-5)
+    empty = partials.Partial(jnp.full((2, 1, 3), -jnp.inf), jnp.zeros((2, 1, 3)),
                             jnp.zeros((2, 1, 3, 5)))
     whole = partial(scores, values)
-    np.testing.assert_allclose(np.asarray(chunked.finish(chunked.merge(empty, whole),
+    np.testing.assert_allclose(np.asarray(partials.finish(partials.merge(empty, whole),
                                                          jnp.float32)), want, rtol=1e-5)
-    assert not np.asarray(chunked.finish(chunked.merge(empty, empty), jnp.float32)).any()
+    assert not np.asarray(partials.finish(partials.merge(empty, empty), jnp.float32)).any()
 
 
 def test_keys_partial_is_a_masked_softmax_of_transposed_keys():
@@ -166,9 +166,9 @@ def test_keys_partial_is_a_masked_softmax_of_transposed_keys():
     live[2] = False  # nothing to attend to
     k[~live[:, None, :].repeat(kv, 1)] = np.nan
     v[~live[:, None, :].repeat(kv, 1)] = np.nan
-    parts = chunked.keys_partial(*(jnp.asarray(x, jnp.float32) for x in
+    parts = partials.keys_partial(*(jnp.asarray(x, jnp.float32) for x in
                                    (q, k.swapaxes(-1, -2), v)), jnp.asarray(live), sm_scale=0.3)
-    out = np.asarray(chunked.finish(parts, jnp.float32)).reshape(n, kv, group, d)
+    out = np.asarray(partials.finish(parts, jnp.float32)).reshape(n, kv, group, d)
     for i in range(2):
         s = 0.3 * np.einsum("kgd,ksd->kgs", q[i], k[i][:, live[i]])
         p = np.exp(s - s.max(-1, keepdims=True))

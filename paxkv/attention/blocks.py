@@ -194,7 +194,7 @@ def attend_shared_pages(
     Returns:
       ``(max, sum, out)``: float32 ``[n, kv, group]`` (the largest score), ``[n, kv, group]``
       (sum of ``exp(score - max)``) and ``[n, kv, group, head_dim]`` (sum of
-      ``exp(score - max) * value``) -- :class:`paxkv.attention.chunked.Partial`'s fields.
+      ``exp(score - max) * value``) -- :class:`paxkv.attention.partials.Partial`'s fields.
     """
     _, num_kv_heads, _, head_dim = k_prefix.shape
     f32 = jnp.float32

@@ -45,26 +45,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from paxkv.attention.blocks import default_sm_scale, scale_scores
+from paxkv.attention.blocks import default_sm_scale
+from paxkv.attention.partials import (Partial, finish, finite, keys_partial, merge,  # noqa: F401
+                                      read_in_range)
 from paxkv.buckets import cdiv
 from paxkv.kv_storage import readable
-
-_NEG_INF = float("-inf")
-
-
-class Partial(NamedTuple):
-    """Softmax partials of a set of keys, per (row, kv head, query in the GQA group).
-
-    Attributes:
-      max: float32 ``[b, kv_heads, group]``: the largest score (-inf: no key seen).
-      sum: float32 ``[b, kv_heads, group]``: sum of ``exp(score - max)``.
-      out: float32 ``[b, kv_heads, group, head_dim]``: sum of ``exp(score - max) * value``.
-    """
-
-    max: jax.Array
-    sum: jax.Array
-    out: jax.Array
-
 
 class ChunkWork(NamedTuple):
     """The flat work list (all int32 / bool ``[num_chunks]`` but ``total``).
@@ -201,7 +186,7 @@ def _merge_rows(parts: Partial, work: ChunkWork, batch: int) -> Partial:
     segment = jnp.where(work.valid, work.row, batch)
     seg = dict(segment_ids=segment, num_segments=batch + 1, indices_are_sorted=True)
     row_max = jax.ops.segment_max(parts.max, **seg)[:batch]
-    scale = jnp.exp(parts.max - _finite(row_max)[jnp.minimum(segment, batch - 1)])
+    scale = jnp.exp(parts.max - finite(row_max)[jnp.minimum(segment, batch - 1)])
     scale = jnp.where(jnp.isfinite(parts.max), scale, 0.0)
     return Partial(row_max,
                    jax.ops.segment_sum(scale * parts.sum, **seg)[:batch],
@@ -223,62 +208,6 @@ def _read_pages(pool: jax.Array, pages: jax.Array, layer: jax.Array | None) -> j
     pool, as attention reads them (:func:`paxkv.kv_storage.readable`)."""
     index = (pages,) if layer is None else (layer, pages)
     return readable(read_in_range(pool, *index))
-
-
-def read_in_range(x: jax.Array, *index: jax.Array | slice) -> jax.Array:
-    """``x[index]`` for indices in range by construction (block-table entries, the layer, a
-    dense row): without the clamp and the negative-index wrap, a gather's index per element
-    is one load. Both decode paths (paged chunks, dense row groups) read their keys this way."""
-    return x.at[index].get(mode="promise_in_bounds", wrap_negative_indices=False)
-
-
-def keys_partial(q: jax.Array, k_t: jax.Array, v: jax.Array, live: jax.Array, *,
-                 sm_scale: float, logit_soft_cap: float | None = None) -> Partial:
-    """Softmax partials of ``n`` independent (queries, keys) pairs: the inner product of both
-    decode paths' tiles (paged chunks, dense row groups).
-
-    The two products are shaped for XLA:CPU, where they are small (a GQA group's 3 queries
-    against a few hundred keys) and a batched ``dot`` runs far below the machine's speed: the
-    scores are a multiply-and-sum over ``head_dim`` of keys laid out ``[head_dim, keys]``
-    (callers transpose them in the copy that gathers them anyway), and only the value product
-    is a ``dot``.
-
-    Args:
-      q: ``[n, kv_heads, group, head_dim]``.
-      k_t: ``[n, kv_heads, head_dim, keys]``: the keys, transposed.
-      v: ``[n, kv_heads, keys, head_dim]`` (any float dtype; products in float32).
-      live: bool ``[n, keys]``: keys to attend to; the rest are excluded with ``where``, so
-        NaN there never reaches an output.
-      sm_scale, logit_soft_cap: the model's score settings
-        (:func:`paxkv.attention.blocks.scale_scores`).
-
-    Returns:
-      :class:`Partial` of shape ``[n, kv_heads, group(, head_dim)]``.
-    """
-    f32 = jnp.float32
-    dots = jnp.sum(q.astype(f32)[..., None] * k_t.astype(f32)[:, :, None], axis=3)
-    scores = scale_scores(dots, sm_scale, logit_soft_cap)
-    scores = jnp.where(live[:, None, None], scores, _NEG_INF)  # [n, k, g, keys]
-    top = jnp.max(scores, axis=-1)
-    probs = jnp.exp(scores - _finite(top)[..., None])
-    v = jnp.where(live[:, None, :, None], v.astype(f32), 0.0)
-    out = lax.dot_general(probs, v, (((3,), (2,)), ((0, 1), (0, 1))))
-    return Partial(top, jnp.sum(probs, axis=-1), out)
-
-
-def merge(a: Partial, b: Partial) -> Partial:
-    """The partials of two disjoint key sets of the same rows -> those of their union."""
-    top = jnp.maximum(a.max, b.max)
-    wa = jnp.where(jnp.isfinite(a.max), jnp.exp(a.max - _finite(top)), 0.0)
-    wb = jnp.where(jnp.isfinite(b.max), jnp.exp(b.max - _finite(top)), 0.0)
-    return Partial(top, wa * a.sum + wb * b.sum, wa[..., None] * a.out + wb[..., None] * b.out)
-
-
-def finish(p: Partial, dtype: jnp.dtype) -> jax.Array:
-    """Partials -> attention output ``[b, num_q_heads, head_dim]`` (rows with no key: zeros)."""
-    out = p.out / jnp.where(p.sum > 0, p.sum, 1.0)[..., None]
-    batch, kv_heads, group, head_dim = out.shape
-    return out.reshape(batch, kv_heads * group, head_dim).astype(dtype)
 
 
 def paged_decode_attention_chunked(
@@ -320,7 +249,3 @@ def paged_decode_attention_chunked(
                            sm_scale=default_sm_scale(q.shape[-1], sm_scale),
                            logit_soft_cap=logit_soft_cap, layer=layer)
     return finish(parts, q.dtype)
-
-
-def _finite(x: jax.Array) -> jax.Array:
-    return jnp.where(jnp.isfinite(x), x, 0.0)

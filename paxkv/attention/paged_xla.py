@@ -16,10 +16,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from paxkv import pool as kv_pool
-from paxkv.attention import chunked
+from paxkv.attention import chunked, partials
 from paxkv.attention.blocks import attend_blocks, attend_blocks_with_prefix, attend_shared_pages
 from paxkv.attention.plan import TILE_CHUNKS, AttentionPlan, chunk_pages
 from paxkv.attention.query_tiles import attend_in_query_tiles
+from paxkv.buckets import cdiv
 from paxkv.step_info import StepInfo
 
 
@@ -75,7 +76,7 @@ def _decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables: 
     cascade = 0 < plan.prefix_pages < width
     start = plan.prefix_pages if cascade else 0
 
-    def partials(start_page: int, needed: int) -> chunked.Partial:
+    def row_partials(start_page: int, needed: int) -> partials.Partial:
         num_chunks, tile = chunked.list_shape(needed, TILE_CHUNKS)
         if not chunked.tiles_pay():
             tile = num_chunks
@@ -87,10 +88,10 @@ def _decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables: 
                                       **scores)
 
     def whole_rows(start_page: int) -> int:
-        return batch * -(-(width - start_page) // per_chunk)
+        return batch * cdiv(width - start_page, per_chunk)
 
     def safe() -> jax.Array:
-        return chunked.finish(partials(0, whole_rows(0)), q.dtype)
+        return partials.finish(row_partials(0, whole_rows(0)), q.dtype)
 
     hinted = plan.decode_chunks is not None and plan.decode_chunks < whole_rows(start)
     if not (cascade or hinted):
@@ -98,10 +99,10 @@ def _decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables: 
     shared = block_tables[jnp.argmax(live), :plan.prefix_pages]  # the first live row's prefix
 
     def fast() -> jax.Array:
-        parts = partials(start, plan.decode_chunks if hinted else whole_rows(start))
+        parts = row_partials(start, plan.decode_chunks if hinted else whole_rows(start))
         if cascade:
-            parts = chunked.merge(_shared_partial(pool, layer, q, shared, live, scores), parts)
-        return chunked.finish(parts, q.dtype)
+            parts = partials.merge(_shared_partial(pool, layer, q, shared, live, scores), parts)
+        return partials.finish(parts, q.dtype)
 
     holds = (prefix_holds(block_tables, shared, live, step.positions,
                           plan.prefix_pages * page_size) if cascade else jnp.any(live))
@@ -124,11 +125,11 @@ def prefix_holds(block_tables: jax.Array, shared: jax.Array, live: jax.Array,
 
 
 def _shared_partial(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, shared: jax.Array,
-                    live: jax.Array, scores: dict) -> chunked.Partial:
+                    live: jax.Array, scores: dict) -> partials.Partial:
     """Softmax partials of every live row ``q [b, H, Dh]`` over the same pages ``shared``
     (int32 ``[n]``), read once for all rows (cascade attention)."""
     batch, num_q_heads, head_dim = q.shape
     kv_heads = pool.k.shape[2]
     q_grouped = q.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)
-    return chunked.Partial(*attend_shared_pages(q_grouped, *pool.read(layer, shared), live,
+    return partials.Partial(*attend_shared_pages(q_grouped, *pool.read(layer, shared), live,
                                                 **scores))
