@@ -130,19 +130,6 @@ def make_engine(lm: Any, system: str, cfg: Config) -> paxkv.Engine:
                         growth=fits_now if exact else None)
 
 
-class PlanLog:
-    """Wraps an engine's scheduler's ``plan`` so the last attention plan it built (the
-    step's window: tokens each row's attention reads) can be read after the step."""
-
-    def __init__(self, engine: paxkv.Engine):
-        self.last, self._plan = None, engine.scheduler.plan
-        engine.scheduler.plan = self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.last = self._plan(*args, **kwargs)
-        return self.last
-
-
 class Driver:
     """Feeds one engine the stream under one system's admission rule and reads its memory.
 
@@ -154,7 +141,6 @@ class Driver:
     def __init__(self, lm: Any, system: str, cfg: Config, requests: list[tuple[list[int], int]]):
         self.system, self.cfg, self.requests = system, cfg, requests
         self.engine = make_engine(lm, system, cfg)
-        self.plans = PlanLog(self.engine)
         self.pending = collections.deque(range(len(requests)))
         self.inflight: dict[int, int] = {}  # request index -> engine request id
         self.outputs: dict[int, list[int]] = {}
@@ -203,7 +189,7 @@ class Driver:
                 internal, future, external = 0, reserved - filled, self._stranded()
         pct = lambda x: 100.0 * x / max(reserved, 1)  # noqa: E731
         queued = len(self.pending) + len(self.inflight) - running
-        plan = self.plans.last
+        plan = self.engine.scheduler.last_plan
         window = None if plan is None else (plan.window or cache.max_len)
         return dict(running=running, queued=queued, reserved=reserved, filled=filled,
                     window=window,

@@ -9,8 +9,9 @@ The pieces, in the order data flows through them:
 * :mod:`paxkv.paged_cache` / :mod:`paxkv.dense_cache` — the two caches behind one protocol.
 * :mod:`paxkv.steps` — jitted, donated prefill / decode steps and the compiled decode loop.
 * :mod:`paxkv.engine` / :func:`paxkv.generate` — continuous batching for research loops, built
-  from :mod:`paxkv.requests`, :mod:`paxkv.cache_ops`, :mod:`paxkv.scheduler`,
-  :mod:`paxkv.policy`, :mod:`paxkv.prefix_sharing` and :mod:`paxkv.accounting`.
+  from :mod:`paxkv.requests`, :mod:`paxkv.rows`, :mod:`paxkv.cache_ops`,
+  :mod:`paxkv.lifecycle`, :mod:`paxkv.scheduler`, :mod:`paxkv.policy`,
+  :mod:`paxkv.prefix_sharing` and :mod:`paxkv.accounting`.
 * :mod:`paxkv.prefix_cache` — chained-hash index of cached pages; the engine shares pages through
   it, through ``n`` samples and through :meth:`paxkv.Engine.fork` (trees of thought).
 """
@@ -36,3 +37,8 @@ __all__ = [
     "beam_search", "dense_cache", "generate", "page_table", "paged_cache", "policy", "pool",
     "prefix_cache", "steps",
 ]
+
+# Scoring (log-likelihoods for evaluation pipelines): paxkv.scoring.
+from paxkv.scoring import Scorer, ScoreResult, score, score_rolling  # noqa: E402
+
+__all__ += ["ScoreResult", "Scorer", "score", "score_rolling"]

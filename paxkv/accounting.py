@@ -22,6 +22,11 @@ class Counters:
     preemptions: int = 0
     peak_running: int = 0
 
+    def reset(self) -> None:
+        """Zeroes every total."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, field.default)
+
 
 @dataclasses.dataclass(frozen=True)
 class SequenceStats:
@@ -108,7 +113,9 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
 
 
 def kv_bytes_per_page(cache: Any) -> int:
-    """K + V bytes of one page over all layers (a dense cache: one row)."""
-    leaves = (cache.pool.k, cache.pool.v) if hasattr(cache, "pool") else (cache.k, cache.v)
-    slots = cache.num_pages + 1 if hasattr(cache, "pool") else cache.num_pages
+    """K + V bytes of one page over all layers (a dense cache: one row), the scales of an
+    int8 / fp8 cache included."""
+    paged = hasattr(cache, "pool")
+    leaves = cache.pool.arrays() if paged else cache.arrays()
+    slots = cache.num_pages + 1 if paged else cache.num_pages
     return sum(x.nbytes for x in leaves) // slots

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv import buckets, steps
+from paxkv import buckets, dense_cache, paged_cache, steps
 from paxkv import page_table as pt
 from paxkv.attention.plan import AttentionPlan
 from paxkv.protocol import KVCache
@@ -77,6 +77,25 @@ def count_copies(table: pt.PageTable, cell: jax.Array, page: jax.Array) -> jax.A
     return jnp.sum((page <= table.num_pages) & (now != page))
 
 
+def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int, max_len: int,
+                page_size: int, num_pages: int | None, kv_dtype: Any, attention_impl: str,
+                scrub: bool) -> KVCache:
+    """The cache an engine asked for by name ("paged" or "dense", sized for ``model``), or
+    ``cache`` itself when it is already a :class:`KVCache`. ``num_pages`` defaults to the
+    dense reservation ``max_seqs * ceil(max_len / page_size)``."""
+    if isinstance(cache, KVCache):
+        return cache
+    dims = dict(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+                head_dim=model.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
+    if cache == "paged":
+        return paged_cache.create(
+            num_pages=num_pages or max_seqs * buckets.cdiv(max_len, page_size),
+            page_size=page_size, scrub=scrub, attention_impl=attention_impl, **dims)
+    if cache == "dense":
+        return dense_cache.create(**dims)
+    raise ValueError(f"cache must be 'paged', 'dense' or a KVCache, got {cache!r}")
+
+
 class CacheOps:
     """The cache, its free-page count and its copy-on-write count, changed only through the
     jitted operations below."""
@@ -92,6 +111,11 @@ class CacheOps:
     @property
     def max_seqs(self) -> int:
         return self.cache.max_seqs
+
+    def reset_counts(self) -> None:
+        """Restarts the peak and the copy count from now (a timed run after a warm-up)."""
+        self.peak_used = self.cache.num_pages - self.free
+        self.cow_copies = 0
 
     def _note_free(self, free: int) -> None:
         self.free = free

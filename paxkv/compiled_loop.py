@@ -45,7 +45,7 @@ def run_fixed_batch(engine: Engine) -> dict[int, GenerationResult]:
     ops.cache, out, count, dry = steps.decode_loop(
         engine.model.forward, engine.model.params, ops.cache, jnp.asarray(first),
         jnp.asarray(limit), jnp.asarray(stop_ids, jnp.int32), jnp.asarray(stops),
-        sched.sampling_for(None), max_new_tokens=width, plan=plan)
+        engine.lifecycle.rows.sampling_for(None), max_new_tokens=width, plan=plan)
     out, count, dry = np.asarray(out), np.asarray(count), np.asarray(dry)
     for r in reqs:
         r.output = [int(t) for t in out[r.row, : count[r.row]]]
@@ -54,5 +54,5 @@ def run_fixed_batch(engine: Engine) -> dict[int, GenerationResult]:
         r.finish_reason = ("stop" if r.output[-1] in r.stop_ids else
                            "out_of_pages" if dry[r.row] else "length")
     ops.refresh_free()
-    sched.finish(reqs)
+    engine.lifecycle.finish(reqs)
     return engine.run()

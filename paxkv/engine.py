@@ -12,7 +12,8 @@ prompt prefixes; ``submit_prefix`` + ``submit(..., prefix=id)`` forks one prefil
 every request that names it; ``n > 1`` prefills a prompt once and forks it into ``n`` samples;
 :meth:`Engine.fork` branches a live sequence (a tree of thought: branch, continue,
 :meth:`Engine.cancel` the losers). The parts: :mod:`paxkv.requests` (the table),
-:mod:`paxkv.cache_ops` (the cache), :mod:`paxkv.prefix_sharing`, :mod:`paxkv.policy`,
+:mod:`paxkv.rows` (per-row settings), :mod:`paxkv.cache_ops` (the cache),
+:mod:`paxkv.prefix_sharing`, :mod:`paxkv.lifecycle` (who holds a row), :mod:`paxkv.policy`,
 :mod:`paxkv.scheduler` (the step) and :mod:`paxkv.accounting`.
 """
 
@@ -22,16 +23,17 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from paxkv import accounting, buckets, dense_cache, paged_cache
+from paxkv import accounting
 from paxkv.accounting import Counters, EngineStats, SequenceStats
-from paxkv.cache_ops import CacheOps
+from paxkv.cache_ops import CacheOps, build_cache
+from paxkv.lifecycle import Lifecycle
 from paxkv.policy import Growth
 from paxkv.prefix_sharing import SharedPrefixes
 from paxkv.protocol import KVCache, check_model
 from paxkv.requests import GenerationResult, Request, RequestTable, StepOutput
 from paxkv.sampling import SamplingParams
+from paxkv.rows import RowState
 from paxkv.scheduler import Scheduler
 
 __all__ = ["Engine", "EngineStats", "GenerationResult", "SequenceStats", "StepOutput"]
@@ -64,18 +66,9 @@ class Engine:
                  prefill_chunk: int = 512, prefill_tokens: int = 4096, scrub: bool = True,
                  prefix_cache: bool | None = None, growth: Growth | None = None):
         check_model(model)
-        dims = dict(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-                    head_dim=model.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
-        if isinstance(cache, KVCache):
-            kv = cache
-        elif cache == "paged":
-            kv = paged_cache.create(
-                num_pages=num_pages or max_seqs * buckets.cdiv(max_len, page_size),
-                page_size=page_size, scrub=scrub, attention_impl=attention_impl, **dims)
-        elif cache == "dense":
-            kv = dense_cache.create(**dims)
-        else:
-            raise ValueError(f"cache must be 'paged', 'dense' or a KVCache, got {cache!r}")
+        kv = build_cache(model, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
+                         num_pages=num_pages, kv_dtype=kv_dtype,
+                         attention_impl=attention_impl, scrub=scrub)
         if prefix_cache and not kv.shares_pages:
             raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared)")
         self.model = model
@@ -84,8 +77,9 @@ class Engine:
         use_index = kv.shares_pages if prefix_cache is None else prefix_cache
         self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
         self.counters = Counters()
-        self.scheduler = Scheduler(model, self.table, self.ops, self.prefixes, self.counters,
-                                   growth or Growth(), prefill_chunk=prefill_chunk,
+        self.lifecycle = Lifecycle(model, self.table, RowState(self.table), self.ops,
+                                   self.prefixes, self.counters, growth or Growth())
+        self.scheduler = Scheduler(self.lifecycle, prefill_chunk=prefill_chunk,
                                    prefill_tokens=prefill_tokens)
 
     @property
@@ -114,23 +108,10 @@ class Engine:
         p = SamplingParams.of(params, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, n=n,
                               stop_token_ids=stop_token_ids)
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if prefix is not None:
-            holder = self.table.requests.get(prefix)
-            if holder is None or not holder.is_prefix:
-                raise ValueError(f"prefix={prefix!r} is not a live id from submit_prefix()")
-            prompt_ids = holder.prompt_ids + prompt_ids
+        prompt_ids = self.table.prompt(prompt_ids, self.model.vocab_size, prefix)
         self.ops.check_fits(len(prompt_ids), p.max_new_tokens)
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.model.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.model.vocab_size})")
         rid = self.table.new_id()
-        if key is None:
-            key = jax.random.fold_in(jax.random.PRNGKey(p.seed), rid)
-        elif jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.key_data(key)
-        req = Request.make(rid, prompt_ids, p, p.stops(self.model), np.asarray(key, np.uint32),
+        req = Request.make(rid, prompt_ids, p, p.stops(self.model), p.key_data(rid, key),
                            salt=cache_salt, hold=hold, prefix_of=prefix)
         self.table.add(req)
         self.table.waiting.append(req)
@@ -158,33 +139,15 @@ class Engine:
         i samples from ``fold_in(parent key, i)``. Settings come from ``params`` (default:
         the parent's), then the keyword forms.
         """
-        parent = self.table.get(request_id)
-        held = parent.hold and parent.finish_reason in ("stop", "length")
-        if parent.row is None or not (parent.decoding or held):
-            raise ValueError(f"request {request_id} is not live: fork a running request between "
-                             "steps, or one submitted with hold=True that has finished")
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be an int >= 1, got {n!r}")
-        p = SamplingParams.of(params or parent.params(), max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_k=top_k, top_p=top_p,
-                              stop_token_ids=stop_token_ids)
-        self.ops.check_fits(len(parent.tokens), p.max_new_tokens)
-        children = self.scheduler.spawn(parent, n, params=p, stops=p.stops(self.model),
-                                        hold=hold)
-        self.scheduler.branch(parent, children)
-        return [c.id for c in children]
+        p = SamplingParams.of(params or self.table.get(request_id).params(),
+                              max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids)
+        return self.lifecycle.fork(request_id, n, p, hold=hold)
 
     def cancel(self, request_id: int) -> None:
         """Stops a request now (and its samples); a running or held one releases its row in
         this call: pages nobody else holds are free at once."""
-        req = self.table.get(request_id)
-        if req.finish_reason is None:
-            if req.row is None and req in self.table.waiting:
-                self.table.waiting.remove(req)
-            req.finish_reason = "cancelled"
-        for child in (req.children if req.n > 1 else []):
-            self.cancel(child)
-        self.scheduler.release([req])
+        self.lifecycle.cancel(request_id)
 
     # -- running --------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -229,6 +192,5 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Zeroes the running totals and peaks (a timed run after a warm-up starts clean)."""
-        self.counters = self.scheduler.counters = Counters()
-        self.ops.peak_used = self.ops.cache.num_pages - self.ops.free
-        self.ops.cow_copies = 0
+        self.counters.reset()
+        self.ops.reset_counts()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -130,6 +130,23 @@ class RequestTable:
 
     def add(self, req: Request) -> None:
         self.requests[req.id] = req
+
+    def prompt(self, prompt_ids: Sequence[int], vocab_size: int,
+               prefix: int | None = None) -> list[int]:
+        """A new request's full prompt (a :meth:`paxkv.Engine.submit_prefix` ``prefix``'s
+        tokens first); a ``ValueError`` naming what to change if it is empty, out of the
+        vocabulary, or names no live prefix."""
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+        if prefix is None:
+            return ids
+        holder = self.requests.get(prefix)
+        if holder is None or not holder.is_prefix:
+            raise ValueError(f"prefix={prefix!r} is not a live id from submit_prefix()")
+        return holder.prompt_ids + ids
 
     def get(self, request_id: int) -> Request:
         """The live request ``request_id``; a ``ValueError`` naming it otherwise."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,15 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             return frozenset(self.stop_token_ids)
         return frozenset(int(t) for t in getattr(model, "eos_token_ids", ()))
+
+    def key_data(self, request_id: int, key: jax.Array | None = None) -> np.ndarray:
+        """uint32 key data request ``request_id`` samples from: ``key`` (a raw or typed PRNG
+        key) if given, else ``fold_in(PRNGKey(seed), request_id)``."""
+        if key is None:
+            key = jax.random.fold_in(jax.random.PRNGKey(self.seed), request_id)
+        elif jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        return np.asarray(key, np.uint32)
 
 
 @jax.tree_util.register_dataclass

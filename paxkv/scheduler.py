@@ -1,9 +1,10 @@
 """The engine's step: admission (with prefix-cache hits), prefill, decode, release.
 
 :class:`Scheduler` is built from parts it is handed, each testable alone: the request table
-(:mod:`paxkv.requests`), the cache and its jitted operations (:mod:`paxkv.cache_ops`), the
-prefix cache (:mod:`paxkv.prefix_sharing`, or None), the policy (:mod:`paxkv.policy`) and the
-attention plan (:mod:`paxkv.attention.plan`). One ``step``::
+(:mod:`paxkv.requests`), the row state (:mod:`paxkv.rows`), the cache and its jitted
+operations (:mod:`paxkv.cache_ops`), the prefix cache (:mod:`paxkv.prefix_sharing`, or None),
+the row hand-overs (:mod:`paxkv.lifecycle`, which holds all of these), the policy
+(:mod:`paxkv.policy`) and the attention plan (:mod:`paxkv.attention.plan`). One ``step``::
 
     (admit -> prefill)+ -> evict for decode -> decode one token per running row -> release
 
@@ -17,38 +18,27 @@ recomputed later (its written pages go to the prefix index first, if any).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from paxkv import buckets, policy
-from paxkv.accounting import Counters
 from paxkv.attention import plan as attention_plan
-from paxkv.cache_ops import CacheOps
+from paxkv.lifecycle import Lifecycle
 from paxkv.prefix_cache import Hit
-from paxkv.prefix_sharing import SharedPrefixes
-from paxkv.requests import Request, RequestTable
-from paxkv.sampling import RowSampling, SamplingParams
+from paxkv.requests import Request
 
 
 class Scheduler:
     """Runs steps over the parts it is given; see :class:`paxkv.engine.Engine`."""
 
-    def __init__(self, model: Any, table: RequestTable, ops: CacheOps,
-                 prefixes: SharedPrefixes | None, counters: Counters, growth: policy.Growth, *,
-                 prefill_chunk: int, prefill_tokens: int):
-        self.model, self.table, self.ops, self.prefixes = model, table, ops, prefixes
-        self.counters = counters
-        self.growth = growth
+    def __init__(self, life: Lifecycle, *, prefill_chunk: int, prefill_tokens: int):
+        self.life = life
+        self.model, self.table, self.rows, self.ops = life.model, life.table, life.rows, life.ops
+        self.prefixes, self.counters, self.growth = life.prefixes, life.counters, life.growth
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.new_tokens: dict[int, list[int]] = {}
-        s = ops.max_seqs
-        self.last_tokens = np.zeros(s, np.int32)
-        self._sampling = dict(temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
-                              top_p=np.ones(s, np.float32), seed=np.zeros((s, 2), np.uint32))
+        self.last_plan: attention_plan.AttentionPlan | None = None  # the latest step's plan
 
     @property
     def cache(self) -> Any:
@@ -108,7 +98,7 @@ class Scheduler:
             if not policy.admits(need, self.ops.free - ahead, busy or bool(admitted)):
                 break
             self.table.waiting.popleft()
-            self._place(req, self.table.free_rows()[0])
+            self.rows.place(req, self.table.free_rows()[0])
             if holder:
                 self.ops.fork(holder.row, [req.row])
                 req.cached = holder.cached
@@ -145,7 +135,7 @@ class Scheduler:
             chunk = r.tokens[r.cached: min(r.cached + t, r.target)]
             tokens[i, : len(chunk)], rows[i], qlen[i] = chunk, r.row, len(chunk)
         plan = self.plan(batch, max(r.cached + int(q) for r, q in zip(batch, qlen)))
-        nxt, ok = self.ops.prefill(self.model, tokens, rows, qlen, self.sampling_for(rows),
+        nxt, ok = self.ops.prefill(self.model, tokens, rows, qlen, self.rows.sampling_for(rows),
                                    plan)
         more, done = [], []
         for i, r in enumerate(batch):
@@ -153,7 +143,7 @@ class Scheduler:
                 if not any(o not in batch for o in self.table.running()):
                     raise RuntimeError(f"request {r.id} does not fit even alone: finished "
                                        "hold=True requests hold the pages; fork or cancel them")
-                self.preempt(r)
+                self.life.preempt(r)
                 continue
             self.counters.prefill_tokens += int(qlen[i])
             r.cached += int(qlen[i])
@@ -169,10 +159,10 @@ class Scheduler:
             if r.is_prefix:
                 r.finish_reason = "prefilled"  # keeps its row for the requests that fork it
             elif r.n > 1:
-                self.branch(r, self.spawn(r, r.n, sample=True))
+                self.life.branch(r, self.life.spawn(r, r.n, sample=True))
             else:
                 self._append(r, token)
-        self.finish(done)
+        self.life.finish(done)
 
     def _decode(self, live: np.ndarray) -> None:
         if self.prefixes is not None and int(live.sum()) > self.ops.free:
@@ -188,20 +178,20 @@ class Scheduler:
             rows = np.full(width, live_rows[0], np.int32)
             rows[: live_rows.size] = live_rows
             qlen = (np.arange(width) < live_rows.size).astype(np.int32)
-            nxt_b, ok_b = self.ops.prefill(self.model, self.last_tokens[rows][:, None], rows,
-                                           qlen, self.sampling_for(rows), plan)
+            nxt_b, ok_b = self.ops.prefill(self.model, self.rows.last_tokens[rows][:, None], rows,
+                                           qlen, self.rows.sampling_for(rows), plan)
             nxt, ok = np.zeros(self.ops.max_seqs, np.int32), np.zeros(self.ops.max_seqs, bool)
             nxt[live_rows], ok[live_rows] = nxt_b[: live_rows.size], ok_b[: live_rows.size]
         else:
-            nxt, ok = self.ops.decode(self.model, self.last_tokens, live,
-                                      self.sampling_for(None), plan)
+            nxt, ok = self.ops.decode(self.model, self.rows.last_tokens, live,
+                                      self.rows.sampling_for(None), plan)
         self.counters.decode_tokens += int(ok.sum())
         for row in np.flatnonzero(ok):
             self.table.rows[row].cached += 1
             self._append(self.table.rows[row], int(nxt[row]))
-        self.finish([r for r in self.table.rows if r is not None and r.finish_reason is not None])
+        self.life.finish([r for r in self.table.rows if r is not None and r.finish_reason is not None])
         if (live & ~ok).any():  # out of pages: free the victim's pages
-            self.preempt(policy.preemption_victim(self.table.running(), self.ops.cache.page_size,
+            self.life.preempt(policy.preemption_victim(self.table.running(), self.ops.cache.page_size,
                                                   cached=self.prefixes is not None))
 
     def plan(self, stepping: list[Request], longest: int,
@@ -214,96 +204,18 @@ class Scheduler:
         if cache.shares_pages and self.ops.shares:
             prefix = attention_plan.shared_prefix_pages(
                 [r.tokens[:min(x.cached for x in stepping)] for r in stepping], cache.page_size)
-        return attention_plan.plan_step(
+        self.last_plan = attention_plan.plan_step(
             longest=longest, max_len=cache.max_len, page_size=cache.page_size,
             prefix_pages=prefix, decode_lengths=decode_lengths if cache.shares_pages else None,
             max_seqs=cache.max_seqs)
+        return self.last_plan
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _place(self, req: Request, row: int) -> None:
-        self.table.place(req, row)
-        for name, value in (("temperature", req.temperature), ("top_k", req.top_k),
-                            ("top_p", req.top_p), ("seed", req.key_data)):
-            self._sampling[name][row] = value
-
-    def sampling_for(self, rows: np.ndarray | None) -> RowSampling | None:
-        """Sampling settings of ``rows`` (None = all); None when every row is greedy, so
-        greedy work compiles without the sampling sort."""
-        if not (self._sampling["temperature"] > 0).any():
-            return None
-        pick = (lambda a: a) if rows is None else (lambda a: a[rows])
-        return RowSampling(**{k: jnp.asarray(pick(v)) for k, v in self._sampling.items()})
-
     def _append(self, req: Request, token: int) -> None:
         req.output.append(token)
         self.new_tokens.setdefault(req.id, []).append(token)
-        self.last_tokens[req.row] = token
+        self.rows.last_tokens[req.row] = token
         if token in req.stop_ids:
             req.finish_reason = "stop"
         elif len(req.output) >= req.max_new_tokens:
             req.finish_reason = "length"
-
-    def finish(self, reqs: list[Request]) -> None:
-        """Releases finished requests' rows, except those held for forking."""
-        self.release([r for r in reqs if r.finish_reason is not None and not r.keeps_row])
-
-    def release(self, reqs: list[Request]) -> None:
-        reqs = [r for r in reqs if r.row is not None]
-        if not reqs:
-            return
-        if self.prefixes is not None:
-            self.prefixes.index_rows(reqs)
-        rows = [r.row for r in reqs]
-        for r in reqs:
-            self._sampling["temperature"][r.row] = 0.0  # an idle row is greedy
-            self.table.vacate(r)
-        self.ops.release(rows)
-
-    def preempt(self, req: Request) -> None:
-        self.release([req])
-        req.cached, req.preemptions = 0, req.preemptions + 1
-        self.counters.preemptions += 1
-        self.growth.preempted()
-        self.table.waiting.appendleft(req)
-
-    def spawn(self, parent: Request, k: int, *, sample: bool = False,
-              params: SamplingParams | None = None, stops: frozenset[int] | None = None,
-              hold: bool | None = None) -> list[Request]:
-        """``k`` child requests continuing ``parent`` (its samples with ``sample``), with
-        ``params`` / ``stops`` / ``hold`` (default: the parent's); child i samples from
-        ``fold_in(parent key, i)``."""
-        parent_key = jax.random.wrap_key_data(jnp.asarray(parent.key_data))
-        params = dataclasses.replace(params or parent.params(), n=1)
-        children = []
-        for i in range(k):
-            key = np.asarray(jax.random.key_data(jax.random.fold_in(parent_key, i)), np.uint32)
-            child = Request.make(self.table.new_id(), parent.tokens, params,
-                                 parent.stop_ids if stops is None else stops, key,
-                                 salt=parent.salt, hold=parent.hold if hold is None else hold,
-                                 sample_of=parent.id if sample else None)
-            self.table.add(child)
-            children.append(child)
-        parent.children = [c.id for c in children]
-        return children
-
-    def branch(self, parent: Request, children: list[Request]) -> None:
-        """Child 0 takes over the parent's row; the others fork into free rows sharing its pages
-        (no KV moves; each child's first decode feeds the pending last token). Children left
-        without a row wait at the queue front and are recomputed."""
-        if parent.finish_reason is None:
-            parent.finish_reason = "forked"
-        if parent.row is None or not parent.cached:
-            self.release([parent])
-            self.table.waiting.extendleft(reversed(children))
-            return
-        row, cached = parent.row, parent.cached
-        kids = self.table.free_rows()[:len(children) - 1]
-        self.ops.fork(row, kids)
-        if kids and not self.ops.cache.shares_pages:
-            self.ops.refresh_free()  # a dense fork fills a free row
-        self.table.vacate(parent)
-        for child, r in zip(children, [row] + kids):
-            self._place(child, r)
-            child.cached = child.num_cached_tokens = cached
-            self.last_tokens[r] = child.tokens[-1]
-        self.table.waiting.extendleft(reversed(children[1 + len(kids):]))

@@ -52,7 +52,7 @@ def top5(lm, eng: paxkv.Engine) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Request id -> (top-5 next-token ids, their log-probs) for every decoding request."""
     live = np.array([r is not None and r.decoding for r in eng.table.rows])
     logp = np.asarray(_peek(lm.forward, lm.params, eng.cache,
-                            jnp.asarray(eng.scheduler.last_tokens), jnp.asarray(live)))
+                            jnp.asarray(eng.lifecycle.rows.last_tokens), jnp.asarray(live)))
     out = {}
     for row in np.flatnonzero(live):
         ids = np.argsort(-logp[row])[:5]
