@@ -179,19 +179,22 @@ class CacheOps:
         self._note_free(int(free))
         if probe is not None:
             self.cow_copies += int(count_copies(self.cache.table, *probe))
-        return tuple(np.asarray(x) for x in out)
+        return tuple(jax.tree.map(np.asarray, x) for x in out)
 
     def prefill(self, model: Any, tokens: np.ndarray, rows: np.ndarray, query_lengths: np.ndarray,
-                sampling: RowSampling | None, plan: AttentionPlan) -> tuple[np.ndarray, ...]:
-        """:func:`paxkv.steps.prefill_step` -> ``(next_tokens [b], ok [b])`` as numpy."""
+                sampling: RowSampling | None, plan: AttentionPlan,
+                logprobs: int | None = None) -> tuple[Any, np.ndarray]:
+        """:func:`paxkv.steps.prefill_step` -> ``(next_tokens [b], ok [b])`` as numpy (with
+        ``logprobs``, ``next_tokens`` is a :class:`paxkv.sampling.Sampled` of numpy arrays)."""
         return self._probed(lambda: steps.prefill_step(
             model.forward, model.params, self.cache, jnp.asarray(tokens), jnp.asarray(rows),
-            jnp.asarray(query_lengths), sampling, plan=plan))
+            jnp.asarray(query_lengths), sampling, plan=plan, logprobs=logprobs))
 
     def decode(self, model: Any, last_tokens: np.ndarray, live: np.ndarray,
-               sampling: RowSampling | None, plan: AttentionPlan) -> tuple[np.ndarray, ...]:
+               sampling: RowSampling | None, plan: AttentionPlan,
+               logprobs: int | None = None) -> tuple[Any, np.ndarray]:
         """:func:`paxkv.steps.decode_step` over every row -> ``(next_tokens, ok)``
-        ``[max_seqs]`` as numpy."""
+        ``[max_seqs]`` as numpy (``logprobs``: as :meth:`prefill`)."""
         return self._probed(lambda: steps.decode_step(
             model.forward, model.params, self.cache, jnp.asarray(last_tokens),
-            jnp.asarray(live), sampling, plan=plan))
+            jnp.asarray(live), sampling, plan=plan, logprobs=logprobs))

@@ -92,7 +92,8 @@ class Engine:
                max_new_tokens: int | None = None, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                n: int | None = None, stop_token_ids: Sequence[int] | None = None,
-               hold: bool = False, cache_salt: str | bytes | None = None,
+               logprobs: int | None = None, hold: bool = False,
+               cache_salt: str | bytes | None = None,
                key: jax.Array | None = None, prefix: int | None = None) -> int:
         """Queues a request; returns its id. Raises ValueError naming what to change.
 
@@ -107,7 +108,7 @@ class Engine:
         """
         p = SamplingParams.of(params, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, n=n,
-                              stop_token_ids=stop_token_ids)
+                              stop_token_ids=stop_token_ids, logprobs=logprobs)
         prompt_ids = self.table.prompt(prompt_ids, self.model.vocab_size, prefix)
         self.ops.check_fits(len(prompt_ids), p.max_new_tokens)
         rid = self.table.new_id()

@@ -39,7 +39,8 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
              params: SamplingParams | None = None, *, max_new_tokens: int | None = None,
              temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, n: int | None = None,
-             stop_token_ids: Sequence[int] | None = None, cache: str = "paged",
+             stop_token_ids: Sequence[int] | None = None, logprobs: int | None = None,
+             cache: str = "paged",
              page_size: int = 16, num_pages: int | None = None, max_seqs: int = 32,
              max_len: int | None = None, loop: str = "python", attention_impl: str = "auto",
              kv_dtype: Any = jnp.float32, prefix_cache: bool | None = None
@@ -57,6 +58,7 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
         ``fold_in(PRNGKey(seed), i)``; with ``n > 1`` sample ``j`` from
         ``fold_in(fold_in(PRNGKey(seed), i), j)`` (one prefill, ``n`` forks sharing its
         pages). ``stop_token_ids``: None = the model's EOS ids; ``[]`` = none.
+        ``logprobs=k``: each result's ``logprobs`` / ``top_logprobs`` (k alternatives).
       cache: "paged" or "dense" (the comparison twin).
       page_size, num_pages: pool layout (``num_pages`` defaults to the dense reservation).
       max_seqs: sequences decoding at once (cache rows).
@@ -75,13 +77,13 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
     """
     p = SamplingParams.of(params, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_k=top_k, top_p=top_p, seed=seed, n=n,
-                          stop_token_ids=stop_token_ids)
+                          stop_token_ids=stop_token_ids, logprobs=logprobs)
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if loop not in ("python", "jit"):
         raise ValueError(f"loop must be 'python' or 'jit', got {loop!r}")
-    if loop == "jit" and p.n != 1:
-        raise ValueError("n > 1 samples need loop='python'")
+    if loop == "jit" and (p.n != 1 or p.logprobs is not None):
+        raise ValueError("n > 1 samples and logprobs need loop='python'")
     ids = _token_ids(lm, prompts)
     if loop == "jit" and len(ids) > max_seqs:
         raise ValueError(f"loop='jit' runs one fixed batch: {len(ids)} prompts exceed "

@@ -29,7 +29,9 @@ class GenerationResult:
     "cancelled", "forked" (branched into children), "prefilled" (a shared prefix),
     "out_of_pages" or "running"; ``num_cached_tokens`` counts prompt tokens served from shared
     pages; with ``n > 1``, ``samples`` holds the n results (the fields above then repeat
-    sample 0)."""
+    sample 0). With ``SamplingParams(logprobs=k)``, ``logprobs[i]`` is the model's
+    log-probability of ``token_ids[i]`` and ``top_logprobs[i]`` its ``k`` most likely
+    ``(token, logprob)`` at that step; None otherwise."""
 
     token_ids: list[int]
     text: str
@@ -38,6 +40,8 @@ class GenerationResult:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     samples: list["GenerationResult"] | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,9 @@ class Request:
     admitted_at: int = 0
     num_cached_tokens: int = 0
     children: list[int] = dataclasses.field(default_factory=list)
+    logprobs: int | None = None  # alternatives to return per token (None: no logprobs)
+    token_logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def make(cls, rid: int, prompt_ids: list[int], params: SamplingParams,
@@ -86,12 +93,13 @@ class Request:
         """A request with ``params``' settings (``stop_ids``: resolved for the model)."""
         return cls(rid, prompt_ids, params.max_new_tokens, stop_ids, float(params.temperature),
                    int(params.top_k or 0), 1.0 if params.top_p is None else float(params.top_p),
-                   key_data, n=params.n, **fields)
+                   key_data, n=params.n, logprobs=params.logprobs, **fields)
 
     def params(self) -> SamplingParams:
         """This request's settings (stop ids resolved) as :class:`SamplingParams`, n = 1."""
         return SamplingParams(self.max_new_tokens, self.temperature, self.top_k or None,
-                              self.top_p, stop_token_ids=tuple(sorted(self.stop_ids)))
+                              self.top_p, stop_token_ids=tuple(sorted(self.stop_ids)),
+                              logprobs=self.logprobs)
 
     @property
     def keeps_row(self) -> bool:
@@ -197,11 +205,15 @@ class RequestTable:
             first = samples[0]
             return GenerationResult(first.token_ids, first.text, req.prompt_ids,
                                     first.finish_reason, req.num_cached_tokens,
-                                    req.preemptions, samples)
+                                    req.preemptions, samples, first.logprobs,
+                                    first.top_logprobs)
         kept = [t for t in req.output if t not in req.stop_ids]
+        asked = req.logprobs is not None
         return GenerationResult(list(req.output), decode(kept) if decode else "",
                                 req.prompt_ids, req.finish_reason or "running",
-                                req.num_cached_tokens, req.preemptions)
+                                req.num_cached_tokens, req.preemptions,
+                                logprobs=list(req.token_logprobs) if asked else None,
+                                top_logprobs=list(req.top_logprobs) if asked else None)
 
     def hand_out(self, decode: Callable[[list[int]], str] | None = None
                  ) -> dict[int, GenerationResult]:

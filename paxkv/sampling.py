@@ -27,6 +27,9 @@ class SamplingParams:
       seed: request ``i`` of an engine samples from ``fold_in(PRNGKey(seed), i)``.
       n: samples of the prompt: one prefill, forked into ``n`` rows sharing its pages.
       stop_token_ids: tokens that end a sequence; None: the model's EOS ids; ``()``: none.
+      logprobs: None (off: nothing computed) or ``k >= 0``: return each generated token's
+        log-probability under the model (before temperature / top-k / top-p) and the ``k``
+        most likely alternatives at each step.
     """
 
     max_new_tokens: int = 16
@@ -36,6 +39,7 @@ class SamplingParams:
     seed: int = 0
     n: int = 1
     stop_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -43,6 +47,9 @@ class SamplingParams:
         validate(self.temperature, self.top_k, self.top_p)
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids",
                                tuple(int(t) for t in self.stop_token_ids))
@@ -149,3 +156,31 @@ def sample(logits: jax.Array, positions: jax.Array, params: RowSampling | None) 
         return jnp.where(params.temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """Sampled tokens with their log-probabilities (what a step returns when asked for them).
+
+    Attributes:
+      tokens: int32 ``[b]``.
+      logprobs: float32 ``[b]``: each token's log-probability under the model's logits.
+      top_ids: int32 ``[b, k]``; top_logprobs: float32 ``[b, k]``: the ``k`` most likely
+        tokens at that step, most likely first.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def with_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> Sampled:
+    """``tokens`` int32 ``[b]`` drawn from ``logits`` float32 ``[b, vocab]`` with their
+    log-probabilities and the top ``k`` (static) alternatives; the full-vocabulary
+    log-softmax stays inside jit, only ``[b]`` and ``[b, k]`` values leave it."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logp, k)
+    return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)

@@ -27,6 +27,7 @@ from paxkv.attention import plan as attention_plan
 from paxkv.lifecycle import Lifecycle
 from paxkv.prefix_cache import Hit
 from paxkv.requests import Request
+from paxkv.sampling import Sampled
 
 
 class Scheduler:
@@ -135,8 +136,8 @@ class Scheduler:
             chunk = r.tokens[r.cached: min(r.cached + t, r.target)]
             tokens[i, : len(chunk)], rows[i], qlen[i] = chunk, r.row, len(chunk)
         plan = self.plan(batch, max(r.cached + int(q) for r, q in zip(batch, qlen)))
-        nxt, ok = self.ops.prefill(self.model, tokens, rows, qlen, self.rows.sampling_for(rows),
-                                   plan)
+        drawn, ok = self.ops.prefill(self.model, tokens, rows, qlen,
+                                     self.rows.sampling_for(rows), plan, _logprobs(batch))
         more, done = [], []
         for i, r in enumerate(batch):
             if not ok[i]:  # the pool could not hold it after all: back to the queue
@@ -148,20 +149,22 @@ class Scheduler:
             self.counters.prefill_tokens += int(qlen[i])
             r.cached += int(qlen[i])
             (more if r.cached < r.target else done).append(r)
-        self._prefilled(done, [int(nxt[i]) for i, r in enumerate(batch) if r in done])
+        self._prefilled(done, drawn, [batch.index(r) for r in done])
         return more
 
-    def _prefilled(self, done: list[Request], tokens: list[int] | None = None) -> None:
-        """Prompts fully in the cache: index their pages, then sample or fork."""
+    def _prefilled(self, done: list[Request], drawn: Any = None,
+                   where: list[int] | None = None) -> None:
+        """Prompts fully in the cache: index their pages, then sample (``drawn`` at batch
+        index ``where[i]`` is request ``i``'s token) or fork."""
         if self.prefixes is not None:
             self.prefixes.index_rows(done)
-        for r, token in zip(done, tokens or [None] * len(done)):
+        for i, r in enumerate(done):
             if r.is_prefix:
                 r.finish_reason = "prefilled"  # keeps its row for the requests that fork it
             elif r.n > 1:
                 self.life.branch(r, self.life.spawn(r, r.n, sample=True))
             else:
-                self._append(r, token)
+                self._append(r, drawn, where[i])
         self.life.finish(done)
 
     def _decode(self, live: np.ndarray) -> None:
@@ -171,28 +174,31 @@ class Scheduler:
         stepping = [self.table.rows[i] for i in live_rows]
         plan = self.plan(stepping, max(len(r.tokens) for r in self.table.rows if r is not None),
                           decode_lengths=[len(r.tokens) for r in stepping])
-        width = policy.decode_width(live_rows.size, self.ops.max_seqs)
-        if width < self.ops.max_seqs:
+        width, s = policy.decode_width(live_rows.size, self.ops.max_seqs), self.ops.max_seqs
+        if width < s:
             # Few rows live: run only them (a batch of ``width`` rows gathered by ``rows``)
             # rather than every row of the cache; one token each is a one-token prefill.
             rows = np.full(width, live_rows[0], np.int32)
             rows[: live_rows.size] = live_rows
             qlen = (np.arange(width) < live_rows.size).astype(np.int32)
-            nxt_b, ok_b = self.ops.prefill(self.model, self.rows.last_tokens[rows][:, None], rows,
-                                           qlen, self.rows.sampling_for(rows), plan)
-            nxt, ok = np.zeros(self.ops.max_seqs, np.int32), np.zeros(self.ops.max_seqs, bool)
-            nxt[live_rows], ok[live_rows] = nxt_b[: live_rows.size], ok_b[: live_rows.size]
+            drawn, ok_b = self.ops.prefill(self.model, self.rows.last_tokens[rows][:, None],
+                                           rows, qlen, self.rows.sampling_for(rows), plan,
+                                           _logprobs(stepping))
+            ok, where = np.zeros(s, bool), np.zeros(s, np.int64)
+            ok[live_rows], where[live_rows] = ok_b[: live_rows.size], np.arange(live_rows.size)
         else:
-            nxt, ok = self.ops.decode(self.model, self.rows.last_tokens, live,
-                                      self.rows.sampling_for(None), plan)
+            drawn, ok = self.ops.decode(self.model, self.rows.last_tokens, live,
+                                        self.rows.sampling_for(None), plan, _logprobs(stepping))
+            where = np.arange(s)
         self.counters.decode_tokens += int(ok.sum())
         for row in np.flatnonzero(ok):
             self.table.rows[row].cached += 1
-            self._append(self.table.rows[row], int(nxt[row]))
-        self.life.finish([r for r in self.table.rows if r is not None and r.finish_reason is not None])
+            self._append(self.table.rows[row], drawn, int(where[row]))
+        self.life.finish([r for r in self.table.rows
+                          if r is not None and r.finish_reason is not None])
         if (live & ~ok).any():  # out of pages: free the victim's pages
-            self.life.preempt(policy.preemption_victim(self.table.running(), self.ops.cache.page_size,
-                                                  cached=self.prefixes is not None))
+            self.life.preempt(policy.preemption_victim(
+                self.table.running(), self.ops.cache.page_size, cached=self.prefixes is not None))
 
     def plan(self, stepping: list[Request], longest: int,
               decode_lengths: list[int] | None = None) -> attention_plan.AttentionPlan:
@@ -211,7 +217,16 @@ class Scheduler:
         return self.last_plan
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _append(self, req: Request, token: int) -> None:
+    def _append(self, req: Request, drawn: Any, i: int) -> None:
+        """Appends the token ``drawn`` holds at batch index ``i`` (and, if ``req`` asked, its
+        log-probabilities) to ``req``, and ends it on a stop token or its length."""
+        sampled = isinstance(drawn, Sampled)
+        token = int((drawn.tokens if sampled else drawn)[i])
+        if sampled and req.logprobs is not None:
+            req.token_logprobs.append(float(drawn.logprobs[i]))
+            req.top_logprobs.append([(int(t), float(v)) for t, v in
+                                     zip(drawn.top_ids[i, :req.logprobs],
+                                         drawn.top_logprobs[i, :req.logprobs])])
         req.output.append(token)
         self.new_tokens.setdefault(req.id, []).append(token)
         self.rows.last_tokens[req.row] = token
@@ -219,3 +234,10 @@ class Scheduler:
             req.finish_reason = "stop"
         elif len(req.output) >= req.max_new_tokens:
             req.finish_reason = "length"
+
+
+def _logprobs(reqs: list[Request]) -> int | None:
+    """The step's ``logprobs`` (the most alternatives any of ``reqs`` asked for; None: no
+    request asked, so the step computes none)."""
+    asked = [r.logprobs for r in reqs if r.logprobs is not None]
+    return max(asked) if asked else None

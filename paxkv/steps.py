@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from paxkv.sampling import RowSampling, sample
+from paxkv.sampling import RowSampling, Sampled, sample, with_logprobs
 from paxkv.attention.plan import NO_PLAN, AttentionPlan
 from paxkv.protocol import KVCache
 from paxkv.step_info import StepInfo
@@ -27,11 +27,18 @@ Forward = Callable[[Any, jax.Array, StepInfo, KVCache], tuple[jax.Array, KVCache
 Cache = KVCache
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "plan"),
+def _sampled(logits: jax.Array, positions: jax.Array, sampling: RowSampling | None,
+             logprobs: int | None) -> jax.Array | Sampled:
+    tokens = sample(logits, positions, sampling)
+    return tokens if logprobs is None else with_logprobs(logits, tokens, logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "plan", "logprobs"),
                    donate_argnames=("cache",))
 def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
                  rows: jax.Array, query_lengths: jax.Array, sampling: RowSampling | None, *,
-                 plan: AttentionPlan = NO_PLAN) -> tuple[Cache, jax.Array, jax.Array, jax.Array]:
+                 plan: AttentionPlan = NO_PLAN, logprobs: int | None = None
+                 ) -> tuple[Cache, jax.Array | Sampled, jax.Array, jax.Array]:
     """Appends a chunk of prompt tokens to some rows and samples each row's next token.
 
     Args:
@@ -39,6 +46,8 @@ def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
       rows: int32 ``[b]``: cache rows (padding rows repeat a row with ``query_lengths`` 0).
       query_lengths: int32 ``[b]``.
       sampling: per batch row ``[b]``.
+      logprobs: None, or ``k``: return :class:`paxkv.sampling.Sampled` (the tokens with their
+        log-probabilities and top ``k``) in place of the tokens.
 
     Returns:
       ``(cache, next_tokens [b], ok [b], free_pages)``; a row whose reserve failed is unchanged
@@ -50,37 +59,39 @@ def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
     step = StepInfo.make(cache.lengths[rows], jnp.where(ok, query_lengths, 0), tokens.shape[1],
                          rows=rows, plan=plan)
     logits, cache = forward(params, tokens, step, cache)
-    next_tokens = sample(logits, step.lengths, sampling)
+    next_tokens = _sampled(logits, step.lengths, sampling, logprobs)
     return cache, next_tokens, ok, cache.free_pages()
 
 
 def _decode(forward: Forward, params: Any, cache: Cache, tokens: jax.Array, live: jax.Array,
-            sampling: RowSampling | None, plan: AttentionPlan):
+            sampling: RowSampling | None, plan: AttentionPlan, logprobs: int | None = None):
     cache, ok = cache.reserve(live.astype(jnp.int32), max_new=1)
     ok = ok & live
     step = StepInfo.make(cache.lengths, ok.astype(jnp.int32), 1, plan=plan)
     logits, cache = forward(params, tokens[:, None], step, cache)
-    return cache, sample(logits, step.lengths, sampling), ok
+    return cache, _sampled(logits, step.lengths, sampling, logprobs), ok
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "plan"),
+@functools.partial(jax.jit, static_argnames=("forward", "plan", "logprobs"),
                    donate_argnames=("cache",))
 def decode_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
                 live: jax.Array, sampling: RowSampling | None, *,
-                plan: AttentionPlan = NO_PLAN) -> tuple[Cache, jax.Array, jax.Array, jax.Array]:
+                plan: AttentionPlan = NO_PLAN, logprobs: int | None = None
+                ) -> tuple[Cache, jax.Array | Sampled, jax.Array, jax.Array]:
     """One token for every live row of the cache.
 
     Args:
       tokens: int32 ``[max_seqs]``: each row's last token (fed now).
       live: bool ``[max_seqs]``: rows that decode this step.
       sampling: per cache row ``[max_seqs]``.
+      logprobs: as :func:`prefill_step`'s.
 
     Returns:
       ``(cache, next_tokens [max_seqs], ok [max_seqs], free_pages)``; ``ok`` is False for idle
       rows and for rows the pool had no page for (those are left unchanged).
     """
-    cache, next_tokens, ok = _decode(forward, params, cache, tokens, live, sampling,
-                                     plan)
+    cache, next_tokens, ok = _decode(forward, params, cache, tokens, live, sampling, plan,
+                                     logprobs)
     return cache, next_tokens, ok, cache.free_pages()
 
 
