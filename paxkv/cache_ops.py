@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Any, Sequence
 
 import jax
@@ -85,6 +86,9 @@ def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int, max_len: int
     dense reservation ``max_seqs * ceil(max_len / page_size)``."""
     if isinstance(cache, KVCache):
         return cache
+    max_seqs, max_len, page_size = (_size(n, v) for n, v in (
+        ("max_seqs", max_seqs), ("max_len", max_len), ("page_size", page_size)))
+    num_pages = None if num_pages is None else _size("num_pages", num_pages)
     dims = dict(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
                 head_dim=model.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
     if cache == "paged":
@@ -94,6 +98,18 @@ def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int, max_len: int
     if cache == "dense":
         return dense_cache.create(**dims)
     raise ValueError(f"cache must be 'paged', 'dense' or a KVCache, got {cache!r}")
+
+
+def _size(name: str, value: Any) -> int:
+    """``value`` as a Python int >= 1 (a numpy integer is fine); a ``ValueError`` naming
+    ``name`` otherwise."""
+    try:
+        size = operator.index(value)
+    except TypeError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return size
 
 
 class CacheOps:

@@ -85,9 +85,14 @@ def test_plans_round_to_few_shapes_and_drop_useless_hints():
     decode = plan_step(longest=300, max_len=2048, page_size=16, decode_lengths=[300, 20],
                        max_seqs=64)
     assert decode.decode_chunks == 4  # 3 + 1 chunks of 128, a power of two
-    whole = plan_step(longest=300, max_len=2048, page_size=16, decode_lengths=[300],
+    # A decode plan names no window: its chunk list reads only the rows' own keys, so rows of
+    # 300 and of 500 tokens share one compiled step.
+    assert decode.window is None
+    assert plan_step(longest=500, max_len=2048, page_size=16, decode_lengths=[500, 20],
+                     max_seqs=64) == AttentionPlan(decode_chunks=8)
+    whole = plan_step(longest=300, max_len=320, page_size=16, decode_lengths=[300],
                       max_seqs=1)
-    assert whole.decode_chunks is None  # no shorter than the row itself: no hint
+    assert whole == AttentionPlan(window=320)  # no shorter than the row itself: no hint
     assert shared_prefix_pages([[1] * 40, [1] * 35 + [2] * 5], 16) == 2
     assert shared_prefix_pages([[1] * 40], 16) == 0
     with pytest.raises(ValueError, match="window"):

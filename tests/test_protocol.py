@@ -259,3 +259,14 @@ def test_the_protocol_is_checked():
         check_model(NoForward())
     with pytest.raises(TypeError, match="forward"):
         paxkv.Engine(NoForward(), max_seqs=1, max_len=8)
+
+
+def test_engine_sizes_accept_numpy_ints_and_name_a_bad_one():
+    """A size computed with numpy (``max(lengths) + n``) is an int; a bad size's error names the
+    argument the caller passed (it used to name ``max_pages_per_seq``, which nobody passes)."""
+    engine = paxkv.Engine(MODEL, max_seqs=np.int64(2), max_len=np.int64(40),
+                          page_size=np.int32(8), num_pages=np.int64(10))
+    assert (engine.cache.max_seqs, engine.cache.num_pages) == (2, 10)
+    for name, value in (("max_len", 0), ("max_seqs", 2.5), ("page_size", None)):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+            paxkv.Engine(MODEL, **{"max_seqs": 2, "max_len": 40, name: value})

@@ -113,14 +113,16 @@ def plan_step(*, longest: int, max_len: int, page_size: int, prefix_pages: int =
         window = min(max_len, shared + buckets.fine(longest - shared, 64, max_len))
     else:
         window = buckets.fine(longest, 64, max_len)
-    chunks = None
     if decode_lengths is not None and max_seqs is not None:
-        pages = buckets.cdiv(window, page_size)
+        # A decode step's chunk list reads only each row's own keys, whatever the window, so
+        # its plan names no window (one compiled step per list length, not per length x
+        # window); the window then only sizes the fallback, which is whole rows.
+        pages = buckets.cdiv(max_len, page_size)
         per_chunk = chunk_pages(page_size, pages)
         needed = int(np.sum(chunked.chunks_needed(np.asarray(decode_lengths),
                                                   start_page=prefix_pages,
                                                   page_size=page_size, chunk_pages=per_chunk)))
         chunks = chunked.list_shape(needed, TILE_CHUNKS)[0]
-        if chunks >= max_seqs * buckets.cdiv(pages - prefix_pages, per_chunk):
-            chunks = None
-    return AttentionPlan(window=window, prefix_pages=prefix_pages, decode_chunks=chunks)
+        if chunks < max_seqs * buckets.cdiv(pages - prefix_pages, per_chunk):
+            return AttentionPlan(prefix_pages=prefix_pages, decode_chunks=chunks)
+    return AttentionPlan(window=window, prefix_pages=prefix_pages)
