@@ -18,8 +18,11 @@ $(VENV)/.testing: $(VENV)/.runtime
 	$(PY) -m pip install -q -e '.[test,oracle,eval]'
 	touch $@
 
+# The demo keeps JAX's persistent compilation cache in .jax_cache/: a second run loads its
+# compiled steps instead of compiling them (README, "Compile once"). The tests do not: a
+# pytest-xdist worker segfaulted in jax 0.10.2's cache write here (experiments/LOG.md).
 demo: $(VENV)/.runtime
-	$(PY) -m experiments.demo
+	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache $(PY) -m experiments.demo
 
 # Two workers, one per core here; a file's tests stay on one worker (they share its compiles).
 test: $(VENV)/.testing
@@ -30,4 +33,4 @@ test-fast: $(VENV)/.testing
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not oracle and not model and not slow"
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results .pytest_cache .jax_cache
