@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv import dense_cache, kv_storage, page_table as pt, paged_cache, pool as kv_pool, steps
+from paxkv import (dense_cache, kv_storage, page_table as pt, paged_cache, pool as kv_pool, quant,
+                   steps)
 from paxkv.attention.plan import AttentionPlan
 from paxkv.step_info import StepInfo
 
@@ -99,11 +100,11 @@ def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int
                  kv_dtype: Any = jnp.float32, attention_impl: str = "xla"):
     """A ``kind`` cache of ``batch`` rows of ``context`` tokens, each row holding ``filled``
     tokens (one jitted reserve) of hashed K/V (``salt`` changes the values), stored as a
-    ``kv_dtype`` cache stores them (bfloat16 on a CPU: its bits). A paged cache attends through
-    ``attention_impl`` ("xla" or "pallas"; a dense cache has one path)."""
+    ``kv_dtype`` cache stores them (bfloat16 on a CPU: its bits; int8: codes and scales). A
+    paged cache attends through ``attention_impl`` ("xla" or "pallas"; a dense cache has one
+    path)."""
     c = lm.config
-    storage = kv_storage.storage_dtype(kv_dtype)
-    stored = functools.partial(kv_storage.to_storage, storage=storage)
+    stored = functools.partial(_stored, kv_dtype=kv_dtype)
     num_new = jnp.full((batch,), filled, jnp.int32)
     if kind == "paged":
         row_pages = -(-context // PAGE_SIZE)
@@ -117,14 +118,14 @@ def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int
         page_row[bt], page_block[bt] = np.arange(batch)[:, None], np.arange(row_pages)[None, :]
         page_row[-1] = -1  # the sentinel: table padding points here
         shape = (c.num_layers, table.num_pages + 1, c.num_kv_heads, PAGE_SIZE, c.head_dim)
-        k, v = (stored(_hashed(shape, 2 * salt + i, num_new[0], page_row, page_block))
-                for i in (0, 1))
-        cache = paged_cache.PagedCache(pool=kv_pool.KVPool(k=k, v=v), table=table, scrub=True,
-                                       impl=paged_cache.resolve_impl(attention_impl))
+        pool = stored(*(_hashed(shape, 2 * salt + i, num_new[0], page_row, page_block)
+                        for i in (0, 1)))
+        cache = paged_cache.PagedCache(pool=kv_pool.KVPool(**pool), table=table, scrub=True,
+                                       impl=paged_cache.resolve_impl(attention_impl, kv_dtype))
     else:
         shape = (c.num_layers, batch, c.num_kv_heads, context, c.head_dim)
-        k, v = (stored(_hashed(shape, 2 * salt + i, num_new[0])) for i in (0, 1))
-        cache = dense_cache.DenseCache(k=k, v=v,
+        kv = stored(*(_hashed(shape, 2 * salt + i, num_new[0]) for i in (0, 1)))
+        cache = dense_cache.DenseCache(**kv,
                                        lengths=jnp.zeros((batch,), jnp.int32),
                                        active=jnp.zeros((batch,), bool))
         cache, ok = _reserve(cache, num_new, max_new=filled)
@@ -132,10 +133,23 @@ def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int
     return cache
 
 
+def _stored(k: jax.Array, v: jax.Array, kv_dtype: Any) -> dict[str, jax.Array]:
+    """float32 K/V ``[L, pages or rows, H, slots, D]`` as a ``kv_dtype`` cache stores them:
+    ``k``, ``v`` (and ``scales`` ``[L, pages or rows, H, 2, slots]`` for int8 / fp8)."""
+    fmt = quant.format_of(kv_dtype)
+    if fmt is None:
+        storage = kv_storage.storage_dtype(kv_dtype)
+        return dict(k=kv_storage.to_storage(k, storage), v=kv_storage.to_storage(v, storage))
+    (k, k_scale), (v, v_scale) = quant.quantise(k, fmt), quant.quantise(v, fmt)
+    return dict(k=k, v=v, scales=jnp.stack([k_scale, v_scale], axis=3))
+
+
 def kv_bytes(lm, batch: int, context: int, kv_dtype: Any = jnp.float32) -> int:
+    """K/V bytes of ``batch`` rows of ``context`` tokens (an int8 / fp8 cache's scales too)."""
     c = lm.config
-    return (2 * c.num_layers * batch * c.num_kv_heads * context * c.head_dim
-            * jnp.dtype(kv_dtype).itemsize)
+    per_value = jnp.dtype(kv_dtype).itemsize
+    scale = 4 if quant.format_of(kv_dtype) is not None else 0
+    return 2 * c.num_layers * batch * c.num_kv_heads * context * (c.head_dim * per_value + scale)
 
 
 def decode(lm, cache, tokens, *, plan: AttentionPlan, no_attention: bool = False):

@@ -4,6 +4,7 @@
     python -m experiments.offline --quick                 # 8 prompts x 16 tokens (smoke run)
     python -m experiments.offline --max-seqs 32 64        # both engine sizes (+7 min)
     python -m experiments.offline --kv-dtype bfloat16     # paxkv's K/V as bfloat16 (bits)
+    python -m experiments.offline --kv-dtype int8         # int8 codes + per-token scales
 
 64 prompts of 64-512 tokens cut from the Python Language Reference prose that CPython ships
 (``pydoc_data.topics``), 128 greedy tokens each, EOS ignored: ``paxkv.Engine`` (paged,
@@ -129,7 +130,8 @@ def offline(lm, args) -> dict[str, Any]:
     total = len(prompts) * args.max_new
     c = lm.config
     value_bytes = jnp.dtype(args.kv_dtype).itemsize
-    token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * value_bytes
+    scale_bytes = 4 if args.kv_dtype == "int8" else 0  # a float32 scale per (token, kv head)
+    token_bytes = 2 * c.num_layers * c.num_kv_heads * (c.head_dim * value_bytes + scale_bytes)
     hf = run_worker("experiments.offline", dict(job, worker="hf"))
     hf["tok_s"] = total / hf["seconds"]
     runs = []
@@ -181,8 +183,9 @@ def offline(lm, args) -> dict[str, Any]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    ap.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="paxkv's K/V dtype (bfloat16: half the bytes; on a CPU stored as bits)")
+    ap.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
+                    help="paxkv's K/V dtype (bfloat16: half the bytes; on a CPU stored as bits; "
+                    "int8: codes + a float32 scale per token and kv head)")
     ap.add_argument("--num-prompts", type=int)
     ap.add_argument("--prompt-lens", type=int, nargs=2, metavar=("MIN", "MAX"))
     ap.add_argument("--max-new", type=int)

@@ -161,7 +161,8 @@ def _check(beam_width, max_new_tokens, early_stopping, cache, page_size) -> None
 def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
            max_new_tokens: int, length_penalty: float = 1.0, early_stopping: bool | str = False,
            stop_token_ids: Sequence[int] | None = None, cache: str = "paged",
-           page_size: int = 16, attention_impl: str = "auto") -> SearchResult:
+           page_size: int = 16, attention_impl: str = "auto",
+           kv_dtype: Any = jnp.float32) -> SearchResult:
     """Beam search for one batch of prompts (rows = prompts x beams); see :func:`beam_search`.
 
     The paged pool holds ``ceil(T / page_size) + W * (ceil(N / page_size) + 1)`` pages per
@@ -178,7 +179,7 @@ def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
         tokens[i, : len(x)] = x
     max_len = cdiv(width + n, ps) * ps
     dims = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
-                max_seqs=p * w, max_len=max_len)
+                max_seqs=p * w, max_len=max_len, dtype=kv_dtype)
     num_pages = p * (cdiv(width, ps) + w * (cdiv(n, ps) + 1))
     kv = (paged_cache.create(num_pages=num_pages, page_size=ps, attention_impl=attention_impl,
                              **dims) if cache == "paged" else dense_cache.create(**dims))
@@ -214,7 +215,7 @@ def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: 
                 max_new_tokens: int, length_penalty: float = 1.0,
                 early_stopping: bool | str = False, stop_token_ids: Sequence[int] | None = None,
                 cache: str = "paged", page_size: int = 16, prompts_per_batch: int | None = None,
-                attention_impl: str = "auto") -> list[list[Beam]]:
+                attention_impl: str = "auto", kv_dtype: Any = jnp.float32) -> list[list[Beam]]:
     """Beam search, HF-``generate(num_beams=beam_width)``-compatible, in one compiled loop.
 
     Args:
@@ -228,6 +229,7 @@ def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: 
       cache: "paged" (reorder moves block-table rows) or "dense" (reorder copies KV rows).
       page_size: tokens per page (paged).
       prompts_per_batch: prompts searched together (rows = prompts x W); None = all at once.
+      kv_dtype: K/V dtype (``jnp.bfloat16``, ``jnp.int8``: see :func:`paxkv.generate`).
 
     Returns:
       Per prompt, its W best finished beams, best first.
@@ -244,5 +246,6 @@ def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: 
         out += search(lm, ids[i: i + step], beam_width=beam_width,
                       max_new_tokens=max_new_tokens, length_penalty=length_penalty,
                       early_stopping=early_stopping, stop_token_ids=stop_token_ids,
-                      cache=cache, page_size=page_size, attention_impl=attention_impl).beams
+                      cache=cache, page_size=page_size, attention_impl=attention_impl,
+                      kv_dtype=kv_dtype).beams
     return out

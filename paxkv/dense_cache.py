@@ -17,9 +17,10 @@ import jax.numpy as jnp
 
 from jax import lax
 
+from paxkv import quant
 from paxkv.attention import chunked, partials
 from paxkv.attention.query_tiles import query_tiles
-from paxkv.kv_storage import full, readable, to_storage
+from paxkv.kv_storage import full, readable, storage_dtype, to_storage
 from paxkv.attention.blocks import attend_blocks, default_sm_scale
 from paxkv.step_info import StepInfo
 
@@ -43,12 +44,15 @@ class DenseCache:
 
     Attributes:
       k, v: the caches; lengths: int32 ``[max_seqs]``; active: bool ``[max_seqs]``.
+      scales: float32 ``[layers, max_seqs, kv_heads, 2, max_len]`` (K at 0, V at 1) when
+        ``k`` / ``v`` hold 8-bit codes (:mod:`paxkv.quant`), else None.
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
     active: jax.Array
+    scales: jax.Array | None = None
 
     shares_pages = False
 
@@ -67,6 +71,14 @@ class DenseCache:
     @property
     def num_pages(self) -> int:
         return self.max_seqs
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """Every per-row K/V array (row axis 1): ``(k, v)``, plus ``scales`` when scaled."""
+        return (self.k, self.v) if self.scales is None else (self.k, self.v, self.scales)
+
+    def _with_arrays(self, arrays: tuple[jax.Array, ...], **changes) -> "DenseCache":
+        return dataclasses.replace(self, k=arrays[0], v=arrays[1],
+                                   scales=arrays[2] if len(arrays) > 2 else None, **changes)
 
     def free_pages(self) -> jax.Array:
         """int32 scalar: free rows."""
@@ -100,9 +112,8 @@ class DenseCache:
         uses = jnp.zeros((s,), jnp.int32).at[jnp.where(in_range, c, s)].add(1, mode="drop")
         ok = in_range & self.active[p] & ~self.active[c] & (uses[c] == 1)
         target = jnp.where(ok, c, s)
-        return dataclasses.replace(
-            self, k=self.k.at[:, target].set(self.k[:, p], mode="drop"),
-            v=self.v.at[:, target].set(self.v[:, p], mode="drop"),
+        return self._with_arrays(
+            tuple(x.at[:, target].set(x[:, p], mode="drop") for x in self.arrays()),
             lengths=self.lengths.at[target].set(self.lengths[p], mode="drop"),
             active=self.active.at[target].set(True, mode="drop")), ok
 
@@ -112,9 +123,8 @@ class DenseCache:
         parents = jnp.asarray(parents, jnp.int32)
         p = jnp.clip(parents, 0, self.max_seqs - 1)
         ok = (parents >= 0) & (parents < self.max_seqs) & self.active[p]
-        return dataclasses.replace(
-            self, k=self.k[:, p], v=self.v[:, p], lengths=jnp.where(ok, self.lengths[p], 0),
-            active=ok), ok
+        return self._with_arrays(tuple(x[:, p] for x in self.arrays()),
+                                 lengths=jnp.where(ok, self.lengths[p], 0), active=ok), ok
 
     def stats(self) -> DenseStats:
         reserved = jnp.sum(self.active) * self.max_len
@@ -131,14 +141,12 @@ class DenseCache:
         :meth:`paxkv.paged_cache.PagedCache.attend`; of the plan only the window applies, and
         it is checked the same way)."""
         rows = jnp.arange(self.max_seqs) if step.rows is None else step.rows
-        slot = jnp.where(step.positions >= 0, step.positions, self.max_len)  # padding dropped
-        new_k, new_v = (x.at[layer, rows[:, None], :, slot].set(to_storage(y, x.dtype), mode="drop")
-                        for x, y in ((self.k, k), (self.v, v)))
+        new = _write(self.arrays(), layer, rows, step.positions, k, v)
         scores = dict(sm_scale=default_sm_scale(q.shape[-1], sm_scale),
                       logit_soft_cap=logit_soft_cap)
 
         def read(window: int) -> jax.Array:
-            return _attend_rows(new_k, new_v, layer, rows, q, step, window, scores)
+            return _attend_rows(new, layer, rows, q, step, window, scores)
 
         window = self.max_len if step.plan.window is None else min(self.max_len,
                                                                    step.plan.window)
@@ -148,24 +156,52 @@ class DenseCache:
             live = step.query_lengths > 0
             fits = jnp.all(~live | (step.lengths <= window))
             out = lax.cond(fits, lambda: read(window), lambda: read(self.max_len))
-        return dataclasses.replace(self, k=new_k, v=new_v), out
+        return self._with_arrays(new), out
 
 
-def _attend_rows(k_all: jax.Array, v_all: jax.Array, layer: jax.Array, rows: jax.Array,
+def _write(arrays: tuple[jax.Array, ...], layer: jax.Array, rows: jax.Array,
+           positions: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+    """Stores ``k``, ``v`` ``[b, t, kv_heads, head_dim]`` of cache rows ``rows [b]`` at
+    ``positions [b, t]`` (negative: padding, dropped) into ``arrays`` (:meth:`DenseCache.arrays`;
+    a scaled cache quantises each vector and stores its scale beside it)."""
+    k_all, v_all = arrays[:2]
+    slot = jnp.where(positions >= 0, positions, k_all.shape[3])  # padding dropped
+    at = (layer, rows[:, None], slice(None), slot)
+    if len(arrays) == 2:
+        return tuple(x.at[at].set(to_storage(y, x.dtype), mode="drop")
+                     for x, y in ((k_all, k), (v_all, v)))
+    fmt = quant.format_of_storage(k_all.dtype)
+    (k_codes, k_scale), (v_codes, v_scale) = quant.quantise(k, fmt), quant.quantise(v, fmt)
+    scales = arrays[2].at[layer, rows[:, None], :, :, slot].set(
+        jnp.stack([k_scale, v_scale], axis=-1), mode="drop")  # [b, t, kv_heads, 2]
+    return (k_all.at[at].set(k_codes, mode="drop"), v_all.at[at].set(v_codes, mode="drop"),
+            scales)
+
+
+def _read(arrays: tuple[jax.Array, ...], index: tuple, slots: slice | tuple = ()
+          ) -> tuple[jax.Array, jax.Array]:
+    """K and V at ``arrays[..][index]`` ``[..., kv_heads, n, head_dim]`` (``index`` ends at the
+    kv-head axis; ``slots``: what to take of the slot axis), as attention reads them."""
+    if len(arrays) == 2:
+        return tuple(readable(x[index + (slice(None), slots)]) for x in arrays)
+    both = arrays[2][index + (slice(None), slice(None), slots)]  # [..., kv_heads, 2, n]
+    return (readable(arrays[0][index + (slice(None), slots)], both[..., 0, :]),
+            readable(arrays[1][index + (slice(None), slots)], both[..., 1, :]))
+
+
+def _attend_rows(arrays: tuple[jax.Array, ...], layer: jax.Array, rows: jax.Array,
                  q: jax.Array, step: StepInfo, window: int, scores: dict) -> jax.Array:
     """``q [b, t, H, Dh]`` over the first ``window`` slots of its rows -> ``[b, t, H, Dh]``:
     one wide pass on a GPU; on a CPU decode in row groups, prefill in query tiles."""
     if not chunked.tiles_pay():
-        k_ctx, v_ctx = (readable(x[layer, rows, :, :window])[:, None] for x in (k_all, v_all))
+        k_ctx, v_ctx = (x[:, None] for x in _read(arrays, (layer, rows), slice(None, window)))
         return attend_blocks(q, k_ctx, v_ctx, step.positions, step.lengths, **scores)
     if q.shape[1] == 1:
-        return _decode_in_row_groups(k_all, v_all, layer, rows, q, step, window, scores)
-    _, _, kv_heads, _, head_dim = k_all.shape
+        return _decode_in_row_groups(arrays, layer, rows, q, step, window, scores)
 
     def read(row: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-        at, size = (layer, row, 0, 0, 0), (1, 1, kv_heads, n, head_dim)
-        return (readable(lax.dynamic_slice(k_all, at, size)),
-                readable(lax.dynamic_slice(v_all, at, size)))
+        # [1, 1, kv_heads, n, head_dim] each; the slice is static, the row dynamic
+        return tuple(x[None, None] for x in _read(arrays, (layer, row), slice(None, n)))
 
     return query_tiles(q, step.positions, step.lengths, rows, read, width=window, unit=1,
                        **scores)
@@ -175,7 +211,7 @@ def _attend_rows(k_all: jax.Array, v_all: jax.Array, layer: jax.Array, rows: jax
 TILE_TOKENS = 4096
 
 
-def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
+def _decode_in_row_groups(arrays: tuple[jax.Array, ...], layer: jax.Array,
                           rows: jax.Array, q: jax.Array, step: StepInfo, window: int,
                           scores: dict) -> jax.Array:
     """Decode attention ``q [b, 1, heads, d]`` a group of rows at a time under ``lax.map``
@@ -185,7 +221,7 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
     group = 1
     while 2 * group * window <= TILE_TOKENS and batch % (2 * group) == 0:
         group *= 2
-    _, _, kv_heads, _, head_dim = k_all.shape
+    _, _, kv_heads, _, head_dim = arrays[0].shape
     key_pos = jnp.arange(window)
 
     def one(args: tuple[jax.Array, ...]) -> jax.Array:
@@ -193,13 +229,18 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
         live = ((key_pos[None] < lengths[:, None]) & (key_pos[None] <= positions)
                 & (positions >= 0))  # [group, window]
 
-        def read(kv: jax.Array) -> jax.Array:  # [group, kv_heads, window, d]
-            return readable(partials.read_in_range(kv, layer, rows_g, slice(None),
-                                                  slice(None, window)))
+        def read(kv: jax.Array, *slots: slice | int) -> jax.Array:
+            return partials.read_in_range(kv, layer, rows_g, slice(None), *slots)
 
+        window_slots = slice(None, window)
+        k, v = read(arrays[0], window_slots), read(arrays[1], window_slots)
+        if len(arrays) == 2:
+            k, v = readable(k), readable(v)  # [group, kv_heads, window, d]
+        else:
+            both = read(arrays[2], slice(None), window_slots)  # [group, kv_heads, 2, window]
+            k, v = readable(k, both[:, :, 0]), readable(v, both[:, :, 1])
         parts = partials.keys_partial(q_g.reshape(group, kv_heads, -1, head_dim),
-                                     read(k_all).swapaxes(-1, -2), read(v_all), live,
-                                     **scores)
+                                     k.swapaxes(-1, -2), v, live, **scores)
         return partials.finish(parts, q.dtype)[:, None]
 
     split = lambda x: x.reshape((batch // group, group) + x.shape[1:])  # noqa: E731
@@ -210,10 +251,16 @@ def _decode_in_row_groups(k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,
            dtype: jnp.dtype = jnp.float32, fill: float = 0.0) -> DenseCache:
     """An empty dense cache reserving ``max_len`` slots for each of ``max_seqs`` rows, K/V in
-    ``dtype`` (stored as the paged pool stores it: :mod:`paxkv.kv_storage`)."""
+    ``dtype`` (stored as the paged pool stores it: :mod:`paxkv.kv_storage`; int8 / fp8 as
+    codes plus scales, :mod:`paxkv.quant`)."""
     if max_len < 1 or max_seqs < 1:
         raise ValueError(f"max_len and max_seqs must be >= 1, got {max_len}, {max_seqs}")
     shape = (num_layers, max_seqs, num_kv_heads, max_len, head_dim)
-    return DenseCache(k=full(shape, fill, dtype), v=full(shape, fill, dtype),
-                      lengths=jnp.zeros((max_seqs,), jnp.int32),
-                      active=jnp.zeros((max_seqs,), bool))
+    rows = dict(lengths=jnp.zeros((max_seqs,), jnp.int32), active=jnp.zeros((max_seqs,), bool))
+    storage_dtype(dtype)  # a dtype the cache cannot serve raises here
+    fmt = quant.format_of(dtype)
+    if fmt is None:
+        return DenseCache(k=full(shape, fill, dtype), v=full(shape, fill, dtype), **rows)
+    codes, scale = quant.full_codes(shape, fill, fmt)
+    return DenseCache(k=codes, v=jnp.array(codes), **rows,
+                      scales=jnp.full(shape[:3] + (2, max_len), scale, jnp.float32))

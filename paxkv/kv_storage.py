@@ -22,25 +22,40 @@ A bits pool stores and attends exactly as a float32 pool holding the same (bfloa
 values (``tests/test_kv_storage.py``); a ``jnp.bfloat16``-typed pool agrees within bfloat16
 rounding (its prefill also rounds the softmax weights for the value product). The Pallas
 kernels take typed pools only: on a GPU bfloat16 is stored as itself.
+
+**Scaled 8-bit K/V** (``jnp.int8``, ``jnp.float8_e4m3fn``: :mod:`paxkv.quant`) is stored as
+codes (int8; fp8 as its bits in uint8) plus a float32 scale per (token, kv head) held beside
+them; :func:`to_storage` does not apply (use :func:`paxkv.quant.quantise`) and
+:func:`readable` needs the scales. A pool of codes attends exactly as a float32 pool holding
+the dequantised values (``tests/test_int8.py``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from paxkv import quant
+
 BFLOAT16_BITS = jnp.dtype(jnp.uint16)
 
 
 def storage_dtype(dtype: jnp.dtype, backend: str | None = None) -> jnp.dtype:
     """The dtype a pool of ``dtype`` K/V is stored in on ``backend`` (default: JAX's default
-    backend): :data:`BFLOAT16_BITS` for bfloat16 on a CPU, else ``dtype`` itself."""
+    backend): :data:`BFLOAT16_BITS` for bfloat16 on a CPU, the codes' dtype of a scaled format
+    (:mod:`paxkv.quant`), else ``dtype`` itself; other dtypes raise, naming those served."""
     dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"K/V dtype must be a float dtype (e.g. jnp.float32, jnp.bfloat16), "
-                         f"got {dtype}")
+    fmt = quant.format_of(dtype)
+    if fmt is not None:
+        return fmt.storage
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+        raise ValueError(f"K/V dtype {dtype} is not served: use a float dtype of 16 bits or more "
+                         "(e.g. jnp.float32, jnp.bfloat16), or jnp.int8 / jnp.float8_e4m3fn "
+                         "(8-bit codes with per-token scales)")
     backend = jax.default_backend() if backend is None else backend
     return BFLOAT16_BITS if dtype == jnp.bfloat16 and backend == "cpu" else dtype
 
@@ -51,25 +66,52 @@ def is_bits(x: jax.Array | jnp.dtype) -> bool:
 
 
 def to_storage(x: jax.Array, storage: jnp.dtype) -> jax.Array:
-    """K/V values ``x`` (any float dtype) as stored in a pool of dtype ``storage``."""
+    """K/V values ``x`` (any float dtype) as stored in a pool of dtype ``storage`` (not a
+    scaled one: :func:`paxkv.quant.quantise` makes codes and scales)."""
+    if quant.is_scaled(storage):
+        raise ValueError(f"a {storage} pool stores codes with scales: use paxkv.quant.quantise")
     if is_bits(storage):
         return lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.bfloat16), BFLOAT16_BITS)
     return jnp.asarray(x).astype(storage)
 
 
 def full(shape: tuple[int, ...], value: float, dtype: jnp.dtype) -> jax.Array:
-    """A pool array of ``shape`` for K/V of ``dtype`` (stored in :func:`storage_dtype`), every
-    value ``value`` (NaN in tests)."""
+    """A pool array of ``shape`` for K/V of unscaled ``dtype`` (stored in
+    :func:`storage_dtype`), every value ``value`` (NaN in tests); scaled formats:
+    :func:`paxkv.quant.full_codes`."""
     storage = storage_dtype(dtype)
+    if quant.is_scaled(storage):
+        raise ValueError(f"a {dtype} pool stores codes with scales: use paxkv.quant.full_codes")
     if is_bits(storage):
         return jnp.full(shape, np.array(value, jnp.bfloat16).view(np.uint16), storage)
     return jnp.full(shape, value, storage)
 
 
-def readable(x: jax.Array) -> jax.Array:
+def readable(x: jax.Array, scales: jax.Array | None = None) -> jax.Array:
     """K/V gathered from a pool, for the attention math: bfloat16 bits -> float32 (exact);
-    any other dtype unchanged. Callers apply it right at the gather, so XLA fuses the shift
-    into the copy."""
+    scaled codes ``[..., head_dim]`` with their gathered ``scales [...]`` -> float32
+    (:func:`paxkv.quant.dequantise`); any other dtype unchanged. Callers apply it right at
+    the gather, so XLA fuses the shift (or the scaling) into the copy."""
+    if scales is not None or quant.is_scaled(x):
+        if scales is None:
+            raise ValueError(f"{x.dtype} K/V codes are read with their scales")
+        return quant.dequantise(x, scales)
     if is_bits(x):
         return lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
     return x
+
+
+def read_pages(k: jax.Array, v: jax.Array, scales: jax.Array | None, index: tuple,
+               get: Callable[[jax.Array, tuple], jax.Array] | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """K and V pages for attention: ``get(x, index)`` (default ``x[index]``) of pools ``k``,
+    ``v`` ``[(layers,) pages, kv_heads, page_size, head_dim]``, where ``index`` picks leading
+    (layer and) page axes -> ``[..., kv_heads, page_size, head_dim]`` each through
+    :func:`readable`, 8-bit codes with their ``scales`` ``[(layers,) pages, kv_heads, 2,
+    page_size]`` (:class:`paxkv.pool.KVPool`) gathered by the same index."""
+    get = get or (lambda x, i: x[i])
+    k_scale = v_scale = None
+    if scales is not None:
+        both = get(scales, index)  # [..., kv_heads, 2, page_size]
+        k_scale, v_scale = both[..., 0, :], both[..., 1, :]
+    return readable(get(k, index), k_scale), readable(get(v, index), v_scale)

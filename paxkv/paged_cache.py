@@ -22,19 +22,41 @@ from paxkv import pool as kv_pool
 from paxkv.attention import paged_xla
 from paxkv.attention.blocks import default_sm_scale
 from paxkv.attention.plan import NO_PLAN, AttentionPlan
+from paxkv import quant
 from paxkv.kv_storage import is_bits
 from paxkv.step_info import StepInfo
 
 IMPLS = ("xla", "pallas")
 
 
-def resolve_impl(impl: str) -> str:
-    """``"auto"`` -> the Pallas kernels on a GPU, the XLA path elsewhere; checks the name."""
+def resolve_impl(impl: str, dtype: jnp.dtype = jnp.float32) -> str:
+    """``"auto"`` -> the Pallas kernels on a GPU, the XLA path elsewhere and for scaled 8-bit
+    K/V (``dtype`` int8 / fp8, which the kernels do not read: :func:`check_pallas_dtype`);
+    checks the name."""
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        gpu = jax.default_backend() == "gpu"
+        return "pallas" if gpu and quant.format_of(dtype) is None else "xla"
     if impl not in IMPLS:
         raise ValueError(f"attention_impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+    if impl == "pallas":
+        check_pallas_dtype(dtype)
     return impl
+
+
+def check_pallas_dtype(dtype: jnp.dtype) -> None:
+    """Raises for K/V the Pallas kernels cannot read, naming ``attention_impl='xla'``.
+
+    NOTE: the kernels move each (page, kv head) tile with TMA copies, whose rows must be whole
+    multiples of 128 bytes: an int8 row at head_dim 64 is 64 bytes, and a page's scales
+    (``page_size`` float32) 64 bytes at page 16. Reading int8 pages needs a paired-token page
+    layout (``[page_size / 2, 2 * head_dim]``) and scales padded to 128-byte rows; until the
+    kernels have one, int8 / fp8 K/V run on the XLA path.
+    """
+    if quant.format_of(dtype) is not None:
+        raise ValueError(
+            f"the Pallas kernels do not read {jnp.dtype(dtype)} K/V with scales: use "
+            "attention_impl='xla' (or 'auto') for int8 / float8_e4m3fn K/V, or a float dtype "
+            "with attention_impl='pallas'")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "table"],
@@ -160,6 +182,8 @@ def _pallas_write(pool: kv_pool.KVPool, layer: jax.Array, k: jax.Array, v: jax.A
     GPU); padding slots go to the sentinel page and are skipped."""
     import pallas_kernels  # noqa: PLC0415 - the kernels load only when a cache uses them
 
+    if pool.scales is not None:
+        check_pallas_dtype(quant.format_of_storage(pool.k.dtype).dtype)
     if is_bits(pool.k):
         raise ValueError(
             "the Pallas kernels read typed pools; this pool stores bfloat16 K/V as bits (a CPU "
@@ -198,13 +222,14 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
            scrub: bool = True, fill: float = 0.0, attention_impl: str = "auto") -> PagedCache:
     """An empty paged cache of ``num_pages`` pages of ``page_size`` tokens for ``max_seqs``
     sequences of at most ``max_len`` tokens each, K/V in ``dtype`` (bfloat16 on a CPU is
-    stored as bits: :mod:`paxkv.kv_storage`). ``attention_impl``: "auto" (the Pallas kernels
-    on a GPU, XLA elsewhere), "pallas" or "xla"."""
+    stored as bits: :mod:`paxkv.kv_storage`; ``jnp.int8`` / ``jnp.float8_e4m3fn`` as 8-bit
+    codes with per-token scales: :mod:`paxkv.quant`). ``attention_impl``: "auto" (the Pallas
+    kernels on a GPU for float K/V, XLA elsewhere), "pallas" or "xla"."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len!r}")
-    impl = resolve_impl(attention_impl)
+    impl = resolve_impl(attention_impl, dtype)
     max_pages_per_seq = buckets.cdiv(max_len, page_size)
     table = pt.create(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
                       max_pages_per_seq=max_pages_per_seq)

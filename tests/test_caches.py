@@ -17,7 +17,7 @@ import pytest
 
 from pallas_kernels import reference as ref
 from paxkv.kv_storage import readable
-from paxkv import dense_cache, paged_cache
+from paxkv import dense_cache, paged_cache, quant
 from paxkv.full_attention import NoCache
 from paxkv.attention.plan import AttentionPlan
 from paxkv.step_info import StepInfo
@@ -32,8 +32,10 @@ PROMPT = np.array([0, 1, PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1, 2 * PAGE_SIZE 
 MAX_SEQS = len(PROMPT)
 PROMPT_WIDTH = int(PROMPT.max())  # the q_len of every multi-token step (one compile)
 MAX_NEW = PROMPT_WIDTH  # the static bound of every reserve (one compile)
-# Per-row relative error allowed, by storage dtype.
-TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
+# Per-row relative error allowed, by storage dtype. int8 caches are compared with oracles of
+# the same (dequantised) values, so they are held to float32's tolerance.
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2,
+             jnp.dtype(jnp.int8): 1e-5}
 
 attend_jit = jax.jit(lambda cache, layer, q, k, v, step: cache.attend(layer, q, k, v, step))
 reserve_jit = jax.jit(lambda cache, num_new: cache.reserve(num_new, max_new=MAX_NEW))
@@ -66,6 +68,9 @@ def assert_rows_close(actual: jax.Array, desired: jax.Array, dtype, what: str = 
 
 
 def _qkv(rng, t: int, dtype, batch: int = MAX_SEQS):
+    if quant.format_of(dtype) is not None:
+        dtype = jnp.float32  # a scaled cache quantises float K/V itself
+
     def normal(heads):
         return jnp.asarray(rng.standard_normal((NUM_LAYERS, batch, t, heads, HEAD_DIM)), dtype)
     return normal(NUM_Q_HEADS), normal(NUM_KV_HEADS), normal(NUM_KV_HEADS)
@@ -111,14 +116,13 @@ def _step(paged, dense, step: StepInfo, q, k, v, dtype, what: str):
         paged, out_p = attend_jit(paged, layer, q[layer], k[layer], v[layer], step)
         dense, out_d = attend_jit(dense, layer, q[layer], k[layer], v[layer], step)
         tag = f"{what} layer {layer}"
-        k_pages, v_pages = readable(paged.pool.k[layer]), readable(paged.pool.v[layer])
+        k_pages, v_pages = paged.pool.read(layer, jnp.arange(paged.pool.num_pages + 1))
         bt = paged.table.block_tables[rows]
         assert_rows_close(out_p, out_d, dtype, f"{tag}: paged vs dense")
         assert_rows_close(out_p, paged_prefill_ref(q[layer], k_pages, v_pages, bt, step.lengths,
                                                    step.query_lengths), dtype,
                           f"{tag}: paged vs reference")
-        assert_rows_close(out_d, dense_ref(q[layer], readable(dense.k[layer, rows]),
-                                           readable(dense.v[layer, rows]),
+        assert_rows_close(out_d, dense_ref(q[layer], *_dense_rows(dense, layer, rows),
                                            step.lengths, step.query_lengths), dtype,
                           f"{tag}: dense vs reference")
         if q.shape[2] == 1 and np.array_equal(np.asarray(step.query_lengths),
@@ -130,6 +134,16 @@ def _step(paged, dense, step: StepInfo, q, k, v, dtype, what: str):
     return paged, dense, jnp.stack(outs)
 
 
+def _dense_rows(dense, layer: int, rows) -> tuple[jax.Array, jax.Array]:
+    """K and V ``[rows, kv_heads, max_len, head_dim]`` of a dense cache, as attention reads
+    them (codes dequantised)."""
+    if dense.scales is None:
+        return readable(dense.k[layer, rows]), readable(dense.v[layer, rows])
+    scales = dense.scales[layer, rows]  # [rows, kv_heads, 2, max_len]
+    return (readable(dense.k[layer, rows], scales[:, :, 0]),
+            readable(dense.v[layer, rows], scales[:, :, 1]))
+
+
 def _same_protocol_results(paged_result, dense_result):
     (paged, ok_p), (dense, ok_d) = paged_result, dense_result
     np.testing.assert_array_equal(np.asarray(ok_p), np.asarray(ok_d))
@@ -138,7 +152,8 @@ def _same_protocol_results(paged_result, dense_result):
     return paged, dense
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8],
+                         ids=["f32", "bf16", "int8"])
 def test_paged_equals_dense_and_reference_with_no_stray_reads(dtype):
     rng = np.random.default_rng(0)
     paged, dense = _permuted_paged(rng, dtype), _dense(dtype)
@@ -147,8 +162,10 @@ def test_paged_equals_dense_and_reference_with_no_stray_reads(dtype):
     step = StepInfo.make(PROMPT, PROMPT, PROMPT_WIDTH)
     q, k, v = _qkv(rng, PROMPT_WIDTH, dtype)
     paged, dense, out = _step(paged, dense, step, q, k, v, dtype, "prefill")
+    fmt = quant.format_of(dtype)
+    stored = (lambda x: x) if fmt is None else (lambda x: quant.round_trip(x, fmt))
     for layer in range(NUM_LAYERS):
-        _, full = NoCache().attend(layer, q[layer], k[layer], v[layer], step)
+        _, full = NoCache().attend(layer, q[layer], stored(k[layer]), stored(v[layer]), step)
         assert_rows_close(out[layer], full, dtype, "prefill: paged vs full forward")
 
     # Fork: row 3 (a full page) -> 0, row 7 (a partial page) -> 6; pairs into active rows fail.

@@ -35,8 +35,11 @@ def test_storage_dtype_is_bits_for_bfloat16_on_a_cpu_only():
     assert kv_storage.storage_dtype(jnp.bfloat16, "gpu") == BF16
     assert kv_storage.storage_dtype(jnp.float32, "cpu") == jnp.float32
     assert kv_storage.storage_dtype(jnp.float16, "cpu") == jnp.float16
-    with pytest.raises(ValueError, match="float dtype"):
-        kv_storage.storage_dtype(jnp.int8)
+    assert kv_storage.storage_dtype(jnp.int8, "cpu") == jnp.int8  # codes + scales
+    assert kv_storage.storage_dtype(jnp.float8_e4m3fn, "gpu") == jnp.uint8  # bits everywhere
+    for dtype in (jnp.int32, jnp.float8_e5m2):
+        with pytest.raises(ValueError, match="not served"):
+            kv_storage.storage_dtype(dtype)
 
 
 def test_bits_round_to_nearest_even_and_widen_exactly():

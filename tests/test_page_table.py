@@ -8,15 +8,19 @@ the tokens it wrote. The unit tests below pin down exhaustion (a failed request 
 bit-identical), scrubbing, and eager == jitted.
 
 The pool in these tests is tiny (1 layer, 1 kv head, head_dim 1), so each slot stores one token
-id: ``k`` holds the id and ``v`` the id + 0.5.
+id: ``k`` holds the id and ``v`` the id + 0.5. One of the machine's sizes is an int8 pool:
+there a slot's code is +-127 and the id lives in its scale, so every read-back (scrub,
+copy-on-write, fork, reorder, prefix-index retain) checks that scales move with their pages.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +31,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, r
 from experiments.table_ops import table_errors
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
+from paxkv import quant
 
 # Compiled once per shape and shared by every test in this file.
 reserve_jit = jax.jit(pt.reserve, static_argnames="max_new")
@@ -39,6 +44,7 @@ slot_mapping_jit = jax.jit(pt.slot_mapping)
 stats_jit = jax.jit(pt.stats)
 apply_jit = jax.jit(kv_pool.apply, static_argnames="scrub")
 write_jit = jax.jit(kv_pool.write)
+round_trip_jit = jax.jit(quant.round_trip, static_argnames="fmt")
 
 UNWRITTEN = -1.0  # what the pool holds before anything is written or scrubbed
 MIN_OPS_PER_RUN = 5_000
@@ -59,6 +65,7 @@ class Sizes:
     max_new: int  # static bound of every reserve (a step's token width)
     fork_pairs: int = 3
     retain_width: int = 3
+    dtype: Any = jnp.float32  # the pool's K/V dtype
 
     @property
     def max_len(self) -> int:
@@ -70,12 +77,29 @@ class Sizes:
 
     def pool(self, fill: float = UNWRITTEN) -> kv_pool.KVPool:
         return kv_pool.create(num_layers=1, num_pages=self.num_pages, num_kv_heads=1,
-                              page_size=self.page_size, head_dim=1, fill=fill)
+                              page_size=self.page_size, head_dim=1, fill=fill, dtype=self.dtype)
+
+    def stored(self, x: np.ndarray) -> np.ndarray:
+        """What the pool reads back for values ``x`` ``[..., head_dim]`` written to it."""
+        fmt = quant.format_of(self.dtype)
+        return x if fmt is None else np.asarray(round_trip_jit(x, fmt=fmt))
+
+
+def pool_values(pool: kv_pool.KVPool) -> tuple[np.ndarray, np.ndarray]:
+    """K and V ``[num_pages + 1, page_size]`` of the tiny pool as attention reads them (codes
+    times their scales: IEEE float32 products, as the jitted readers compute them)."""
+    k, v = np.asarray(pool.k)[0, :, 0, :, 0], np.asarray(pool.v)[0, :, 0, :, 0]
+    if pool.scales is None:
+        return k, v
+    scales = np.asarray(pool.scales)[0, :, 0]  # [pages, 2, page_size]
+    return k.astype(np.float32) * scales[:, 0], v.astype(np.float32) * scales[:, 1]
 
 
 # Small pools so exhaustion, sharing and page reuse happen all the time.
 SIZES = (Sizes(num_pages=12, page_size=4, max_seqs=6, max_pages_per_seq=5, max_new=6),
-         Sizes(num_pages=7, page_size=2, max_seqs=5, max_pages_per_seq=6, max_new=3))
+         Sizes(num_pages=7, page_size=2, max_seqs=5, max_pages_per_seq=6, max_new=3),
+         Sizes(num_pages=9, page_size=3, max_seqs=5, max_pages_per_seq=5, max_new=4,
+               dtype=jnp.int8))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -254,6 +278,7 @@ class PageTableMachine(RuleBasedStateMachine):
         self.model = ModelAllocator(sizes)
         self.table = sizes.table()
         self.pool = sizes.pool()
+        self.readback: dict[int, tuple[float, float]] = {}  # token -> (k, v) as stored
         self.next_token = 1
         self.write_width = sizes.max_len  # one write can flush any row's pending slots
 
@@ -263,7 +288,7 @@ class PageTableMachine(RuleBasedStateMachine):
         return st.lists(row, min_size=self.sz.max_seqs, max_size=self.sz.max_seqs)
 
     def _pool_np(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(self.pool.k)[0, :, 0, :, 0], np.asarray(self.pool.v)[0, :, 0, :, 0]
+        return pool_values(self.pool)
 
     def _check_update(self, update, ok, model_ok, fresh, copies, k_before, v_before):
         n = self.sz.num_pages
@@ -314,10 +339,16 @@ class PageTableMachine(RuleBasedStateMachine):
                 pos, token = start + t, self.next_token
                 self.next_token += 1
                 positions[b, t], values[b, t] = pos, token
+        k_vals, v_vals = self.sz.stored(values), self.sz.stored(values + 0.5)
+        for b, count in enumerate(counts):
+            start = len(self.model.tokens[b])
+            for t in range(count):
+                pos, token = start + t, int(values[b, t, 0, 0])
+                self.readback[token] = float(k_vals[b, t, 0, 0]), float(v_vals[b, t, 0, 0])
                 if pos < self.model.lengths[b]:
                     page = self.model.pages[b][pos // ps]
                     expected_pages[b, t] = page
-                    k_exp[page, pos % ps], v_exp[page, pos % ps] = token, token + 0.5
+                    k_exp[page, pos % ps], v_exp[page, pos % ps] = self.readback[token]
                     self.model.tokens[b].append(token)
         pages, offsets = slot_mapping_jit(self.table, positions)
         assert_equal(np.asarray(pages), expected_pages)
@@ -428,8 +459,9 @@ class PageTableMachine(RuleBasedStateMachine):
         for b, tokens in enumerate(self.model.tokens):
             pos = np.arange(len(tokens))
             pages = block_tables[b, pos // ps]
-            assert_equal(k[pages, pos % ps], tokens, f"row {b} keys")
-            assert_equal(v[pages, pos % ps], np.add(tokens, 0.5), f"row {b} values")
+            stored = np.array([self.readback[t] for t in tokens], np.float32).reshape(-1, 2)
+            assert_equal(k[pages, pos % ps], stored[:, 0], f"row {b} keys")
+            assert_equal(v[pages, pos % ps], stored[:, 1], f"row {b} values")
 
     def teardown(self):
         if not hasattr(self, "model"):

@@ -49,7 +49,7 @@ from paxkv.attention.blocks import default_sm_scale
 from paxkv.attention.partials import (Partial, finish, finite, keys_partial, merge,  # noqa: F401
                                       read_in_range)
 from paxkv.buckets import cdiv
-from paxkv.kv_storage import readable
+from paxkv.kv_storage import read_pages
 
 class ChunkWork(NamedTuple):
     """The flat work list (all int32 / bool ``[num_chunks]`` but ``total``).
@@ -126,8 +126,8 @@ def chunk_work(lengths: jax.Array, live: jax.Array, *, start_page: int, page_siz
 def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    block_tables: jax.Array, lengths: jax.Array, work: ChunkWork, *,
                    chunk_pages: int, tile_chunks: int, sm_scale: float,
-                   logit_soft_cap: float | None = None,
-                   layer: jax.Array | None = None) -> Partial:
+                   logit_soft_cap: float | None = None, layer: jax.Array | None = None,
+                   scales: jax.Array | None = None) -> Partial:
     """Softmax partials of every row's chunks, merged per row.
 
     Args:
@@ -135,12 +135,14 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_pages, v_pages: ``[num_pages, kv_heads, page_size, head_dim]``, or a whole pool
         ``[num_layers, num_pages, ...]`` with ``layer`` (indexed inside the gather: slicing a
         layer out first would copy it); any float dtype, or bfloat16 bits
-        (:mod:`paxkv.kv_storage`).
+        (:mod:`paxkv.kv_storage`), or 8-bit codes with ``scales``.
       block_tables: int32 ``[b, pages_per_row]``.
       lengths: int32 ``[b]``.
       work: from :func:`chunk_work`; ``num_chunks`` must be a multiple of ``tile_chunks``.
       sm_scale, logit_soft_cap: the model's score settings
         (:func:`paxkv.attention.blocks.scale_scores`).
+      scales: float32 ``[(num_layers,) num_pages, kv_heads, 2, page_size]`` of codes
+        (:class:`paxkv.pool.KVPool`), else None: each tile is dequantised in its gather.
 
     Returns:
       the rows' :class:`Partial` (rows without chunks: max -inf, zeros).
@@ -163,8 +165,7 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         key_pos = first[:, None, None] * page_size + slot[None]  # [T, c, s]
         key_live = (key_pos < lengths[row][:, None, None]) & valid[:, None, None]
 
-        k = _read_pages(k_pages, pages, layer)  # [T, c, k, s, d]
-        v = _read_pages(v_pages, pages, layer)
+        k, v = read_kv(k_pages, v_pages, scales, pages, layer)  # [T, c, k, s, d] each
         n = k.shape[0]
         # One transpose each (two in a row fuse into a copy that runs 2x slower here).
         k_t = k.transpose(0, 2, 4, 1, 3).reshape(n, num_kv_heads, head_dim, -1)  # [T, k, d, cs]
@@ -203,11 +204,13 @@ def tile_pages(block_tables: jax.Array, row: jax.Array, first: jax.Array,
     return lax.optimization_barrier(jnp.take_along_axis(block_tables[row], cols, axis=1))
 
 
-def _read_pages(pool: jax.Array, pages: jax.Array, layer: jax.Array | None) -> jax.Array:
-    """The pages ``pages`` (any shape) of one layer's pool, or of layer ``layer`` of a whole
-    pool, as attention reads them (:func:`paxkv.kv_storage.readable`)."""
+def read_kv(k_pages: jax.Array, v_pages: jax.Array, scales: jax.Array | None,
+            pages: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """K and V of the pages ``pages`` (any shape ``[...]``) of one layer's pool, or of layer
+    ``layer`` of a whole pool, as attention reads them: ``[..., kv_heads, page_size,
+    head_dim]`` each (:func:`paxkv.kv_storage.readable`; codes times their gathered scales)."""
     index = (pages,) if layer is None else (layer, pages)
-    return readable(read_in_range(pool, *index))
+    return read_pages(k_pages, v_pages, scales, index, lambda x, i: read_in_range(x, *i))
 
 
 def paged_decode_attention_chunked(
@@ -223,6 +226,7 @@ def paged_decode_attention_chunked(
     sm_scale: float | None = None,
     logit_soft_cap: float | None = None,
     layer: jax.Array | None = None,
+    scales: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`pallas_kernels.reference.paged_decode_attention_reference` as a chunk list.
 
@@ -236,6 +240,7 @@ def paged_decode_attention_chunked(
         ``chunk_work(...).total`` first, as :mod:`paxkv.paged_cache` does).
       sm_scale: the softmax scale (None: ``head_dim ** -0.5``); logit_soft_cap: None (off) or
         the Gemma-2 cap (:func:`paxkv.attention.blocks.scale_scores`).
+      scales: the pages' scales when they hold 8-bit codes (:func:`chunk_partials`).
 
     Returns:
       ``[b, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -247,5 +252,5 @@ def paged_decode_attention_chunked(
     parts = chunk_partials(q, k_pages, v_pages, block_tables, lengths, work,
                            chunk_pages=chunk_pages, tile_chunks=tile_chunks,
                            sm_scale=default_sm_scale(q.shape[-1], sm_scale),
-                           logit_soft_cap=logit_soft_cap, layer=layer)
+                           logit_soft_cap=logit_soft_cap, layer=layer, scales=scales)
     return finish(parts, q.dtype)

@@ -44,7 +44,8 @@ def _prefill(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables:
     def per_row() -> jax.Array:
         if chunked.tiles_pay():
             return attend_in_query_tiles(q, pool.k, pool.v, block_tables, step.positions,
-                                         step.lengths, layer=layer, **scores)
+                                         step.lengths, layer=layer, scales=pool.scales,
+                                         **scores)
         return attend_blocks(q, *pool.read(layer, block_tables), step.positions, step.lengths,
                              **scores)
 
@@ -85,7 +86,7 @@ def _decode(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables: 
                                   num_chunks=num_chunks)
         return chunked.chunk_partials(q, pool.k, pool.v, block_tables, step.lengths, work,
                                       chunk_pages=per_chunk, tile_chunks=tile, layer=layer,
-                                      **scores)
+                                      scales=pool.scales, **scores)
 
     def whole_rows(start_page: int) -> int:
         return batch * cdiv(width - start_page, per_chunk)

@@ -19,7 +19,7 @@ from jax import lax
 
 from paxkv.attention.blocks import attend_blocks
 from paxkv.buckets import cdiv
-from paxkv.kv_storage import readable
+from paxkv.kv_storage import read_pages
 
 
 def query_tile(q_len: int) -> int:
@@ -33,7 +33,8 @@ def query_tile(q_len: int) -> int:
 def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           block_tables: jax.Array, q_positions: jax.Array, lengths: jax.Array,
                           *, sm_scale: float, logit_soft_cap: float | None = None,
-                          layer: jax.Array | None = None) -> jax.Array:
+                          layer: jax.Array | None = None,
+                          scales: jax.Array | None = None) -> jax.Array:
     """:func:`paxkv.attention.blocks.attend_blocks` over gathered pages, one (row, query
     tile) at a time (:func:`query_tiles`).
 
@@ -43,15 +44,16 @@ def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         ``layer``; block_tables: int32 ``[b, pages_per_row]``; lengths: int32 ``[b]``.
       sm_scale, logit_soft_cap: the model's score settings
         (:func:`paxkv.attention.blocks.scale_scores`).
+      scales: float32 ``[(num_layers,) num_pages, kv_heads, 2, page_size]`` when the pages
+        hold 8-bit codes (each tile is dequantised in its gather), else None.
 
     Returns:
       ``[b, t, num_q_heads, head_dim]`` in ``q.dtype``.
     """
     def read(table_row: jax.Array, pages: int) -> tuple[jax.Array, jax.Array]:
-        ids = table_row[:pages]
-        if layer is None:
-            return readable(k_pages[ids][None]), readable(v_pages[ids][None])
-        return readable(k_pages[layer, ids][None]), readable(v_pages[layer, ids][None])
+        index = (table_row[:pages],) if layer is None else (layer, table_row[:pages])
+        k, v = read_pages(k_pages, v_pages, scales, index)  # [pages, kv_heads, ps, d] each
+        return k[None], v[None]
 
     return query_tiles(q, q_positions, lengths, block_tables, read,
                        width=block_tables.shape[1], unit=k_pages.shape[-2], sm_scale=sm_scale,
