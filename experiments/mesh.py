@@ -1,0 +1,169 @@
+"""The paged cache over a data-axis mesh: per-device pool bytes, capacity on a fixed per-device
+budget, collectives per step, and tokens against one device.
+
+    python -m experiments.mesh            # SmolLM2-135M's K/V dims for the memory table
+    python -m experiments.mesh --quick    # the tiny random Llama's dims throughout (< 2 min)
+
+Runs on 8 forced CPU devices (``JAX_NUM_CPU_DEVICES=8``, set here before JAX starts). They
+share this machine's two cores, so **no timing here is a result** and none is reported.
+
+* **memory**: for data = 1, 2, 4, 8, a :func:`paxkv.sharded_cache.create` pool of
+  ``--pages`` pages: bytes each device holds (read from ``addressable_shards``), and the most
+  sequences of ``--seq-len`` tokens that fit ``--budget-mib`` per device (each shard's pages
+  less its sentinel, whole sequences per shard).
+* **collectives**: the compiled prefill and decode steps of the tiny Llama on each mesh, with
+  each collective's kind and result bytes (a data-only decode should need only a few scalars).
+* **correctness**: greedy tokens of 12 requests through :class:`paxkv.Engine` on each mesh
+  against the single-device paged cache.
+
+Writes ``results/mesh.json`` (``mesh_quick.json`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments.common import print_table, record, write_json  # noqa: E402
+from paxkv import mesh as pmesh, paged_cache, sharded_cache, steps  # noqa: E402
+
+DATAS = (1, 2, 4, 8)
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+         "s64": 8, "u64": 8, "f64": 8}
+
+
+def tiny():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    return tiny_lm(scale=1.0)
+
+
+def memory(args: argparse.Namespace, dims: dict) -> list[dict[str, Any]]:
+    """Per-device bytes and sequences on a fixed per-device budget, per data axis."""
+    rows = []
+    for data in DATAS:
+        cache = sharded_cache.create(mesh=pmesh.make_mesh(data), num_pages=args.pages,
+                                     max_seqs=data, max_len=args.seq_len, **dims)
+        per_device = sorted({s.data.nbytes for s in cache.pools.k.addressable_shards})
+        per_page = 2 * per_device[-1] // (cache.pages_per_shard + 1)  # K + V, one page
+        pages_fit = args.budget_mib * 2**20 // per_page - 1  # less the shard's sentinel
+        per_seq = -(-args.seq_len // dims["page_size"])
+        rows.append(dict(data=data, pool_bytes_per_device=2 * per_device[-1],
+                         distinct_block_sizes=len(per_device), kv_bytes_per_page=per_page,
+                         pages_per_device_on_budget=int(pages_fit),
+                         sequences_on_budget=int(data * (pages_fit // per_seq))))
+        del cache
+    return rows
+
+
+def collectives(compiled_text: str) -> list[tuple[str, int]]:
+    """(kind, result bytes) of every collective in a compiled module's text."""
+    found = []
+    for line in compiled_text.splitlines():
+        for kind in pmesh.COLLECTIVES:
+            if "=" in line and re.search(rf" {kind}(-start)?\(", line.split("=", 1)[1]):
+                shapes = re.findall(r"(\w+)\[([\d,]*)\]", line.split("=", 1)[1].split(kind)[0])
+                size = sum(BYTES.get(t, 4) * int(np.prod([int(d) for d in s.split(",") if d]))
+                           for t, s in shapes)
+                found.append((kind, size))
+    return found
+
+
+def step_collectives(lm, data: int, max_seqs: int) -> dict[str, Any]:
+    """Collectives of the compiled prefill (8 rows x 16 tokens) and full decode steps."""
+    cache = _cache(lm, data, max_seqs, 8 * max_seqs)
+    rows = jnp.arange(8, dtype=jnp.int32) % max_seqs
+    tokens, qlens = jnp.ones((8, 16), jnp.int32), jnp.full((8,), 16, jnp.int32)
+    out = {}
+    for name, fn, rest in (
+            ("prefill", steps.prefill_step, (tokens, rows, qlens, None)),
+            ("decode", steps.decode_step, (jnp.ones((max_seqs,), jnp.int32),
+                                           jnp.ones((max_seqs,), bool), None))):
+        found = collectives(fn.lower(lm.forward, lm.params, cache, *rest).compile().as_text())
+        out[name] = dict(count=len(found), bytes=sum(b for _, b in found),
+                         ops=[f"{k} {b}B" for k, b in found])
+    return out
+
+
+def _cache(lm, data: int, max_seqs: int, num_pages: int, fill: float = 0.0):
+    dims = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
+                page_size=4, max_len=24, max_seqs=max_seqs, num_pages=num_pages, fill=fill)
+    if data == 0:
+        dims.pop("fill")
+        return paged_cache.create(**dims)
+    return sharded_cache.create(mesh=pmesh.make_mesh(data), **dims)
+
+
+def engine_tokens(lm, data: int, num_pages: int) -> tuple[list[list[int]], int]:
+    """Greedy tokens of 12 requests (data 0: the single-device paged cache)."""
+    import paxkv  # noqa: PLC0415
+
+    engine = paxkv.Engine(lm, cache=_cache(lm, data, 16, num_pages, float("nan")),
+                          prefix_cache=False, prefill_chunk=16, prefill_tokens=64)
+    rng = np.random.default_rng(0)
+    ids = [engine.submit(rng.integers(8, 256, int(rng.integers(2, 12))).tolist(),
+                         max_new_tokens=int(rng.integers(2, 10)), stop_token_ids=())
+           for _ in range(12)]
+    results = engine.run()
+    return [results[i].token_ids for i in ids], engine.counters.preemptions
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model dims, 2 meshes checked")
+    ap.add_argument("--pages", type=int, default=2048, help="pool pages (all shards)")
+    ap.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    ap.add_argument("--budget-mib", type=int, default=512, help="K/V bytes per device")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    lm = tiny()
+    if args.quick:
+        args.pages, args.seq_len, args.budget_mib = 256, 64, 1
+        dims = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
+                    head_dim=lm.head_dim, page_size=4)
+    else:  # SmolLM2-135M's K/V: 30 layers x 3 kv heads x 64, page 16
+        dims = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16)
+    mem = memory(args, dims)
+    print_table(["data", "pool bytes / device", "KV bytes / page", f"pages on {args.budget_mib}"
+                 " MiB / device", f"sequences of {args.seq_len} tokens"],
+                [[m["data"], f"{m['pool_bytes_per_device']:,}", f"{m['kv_bytes_per_page']:,}",
+                  m["pages_per_device_on_budget"], m["sequences_on_budget"]] for m in mem])
+    coll = {d: step_collectives(lm, d, 16) for d in DATAS}
+    print()
+    print_table(["data", "prefill collectives", "bytes", "decode collectives", "bytes"],
+                [[d, c["prefill"]["count"], c["prefill"]["bytes"], c["decode"]["count"],
+                  c["decode"]["bytes"]] for d, c in coll.items()])
+    checked = (8, 2) if args.quick else (8, 4, 2, 1)
+    ref, _ = engine_tokens(lm, 0, 96)
+    correct = {}
+    for d in checked:
+        tokens, preempted = engine_tokens(lm, d, {8: 48, 4: 24, 2: 16, 1: 8}[d] * 1)
+        correct[d] = dict(equal=tokens == ref, preemptions=preempted)
+    print()
+    print_table(["data", "tokens == one device", "preemptions (tight pool)"],
+                [[d, c["equal"], c["preemptions"]] for d, c in correct.items()])
+    print("\nForced CPU devices share two cores: no timing from them is a result.")
+    config = dict(vars(args), dims=dims, devices=len(jax.devices()))
+    data = record(config, dict(memory=mem, collectives=coll, correctness=correct,
+                               note="forced CPU devices share two cores: no timing here"))
+    write_json("mesh_quick" if args.quick else "mesh", data)
+    return data
+
+
+if __name__ == "__main__":
+    main()

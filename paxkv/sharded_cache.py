@@ -1,0 +1,293 @@
+"""The paged KV cache over the data axis of a JAX mesh: one single-device paged cache per shard.
+
+Each data shard owns ``rows_per_shard = max_seqs / data`` rows, ``pages_per_shard =
+num_pages / data`` pages and its own sentinel, with shard-local page ids. Every leaf of the
+pool and of the page table gains a leading shard axis placed on ``"data"``
+(:mod:`paxkv.mesh`), and every operation runs today's :class:`~paxkv.paged_cache.PagedCache`
+on each shard's block inside one ``shard_map``: table ops and in-order decode attention
+compile to no collective at all. Outside, rows are one flat ``[max_seqs]`` axis, so
+:mod:`paxkv.steps` and :class:`paxkv.Engine` drive it unchanged::
+
+    row r  ->  shard r // rows_per_shard, local row r % rows_per_shard
+    rows:     [ 0  1 | 2  3 | 4  5 | 6  7 ]      (data = 4, rows_per_shard = 2)
+    pages:    [0..P-1, S] [0..P-1, S] ...        (each shard: P pages + its sentinel S = P)
+
+Sharing stays inside a shard: ``fork`` of a pair whose parent and child live in different
+shards fails (``ok`` False, nothing changes) and ``reorder`` drops a row whose parent lives in
+another shard (``ok`` False, as for an inactive parent): a page cannot be shared across
+shards, since its id means a different page in each.
+
+The engine-facing sizes are one shard's (the engine does not yet route requests to shards):
+``num_pages`` is the pages one row can draw on (``pages_per_shard``) and :meth:`free_pages`
+is the free pages of the fullest shard that still has a free row, so the engine's admission
+never places a request where its shard has no room. Exact figures: :attr:`total_pages`,
+:meth:`shard_free_pages`, :meth:`stats` (pool-wide) and :meth:`shard_stats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from paxkv import buckets, mesh as pmesh
+from paxkv import page_table as pt
+from paxkv import pool as kv_pool
+from paxkv.paged_cache import PagedCache, resolve_impl
+from paxkv.step_info import StepInfo
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pools", "tables"],
+                   meta_fields=["mesh", "scrub", "impl"])
+@dataclasses.dataclass(frozen=True)
+class ShardedPagedCache:
+    """Paged KV for ``max_seqs`` rows split over the mesh's data axis.
+
+    Attributes:
+      pools: every shard's pool, leaves ``[data, layers, pages_per_shard + 1, kv_heads,
+        page_size, head_dim]`` (scales ``[data, layers, pages_per_shard + 1, kv_heads, 2,
+        page_size]``), on ``P("data")``.
+      tables: every shard's page table, leaves ``[data, ...]`` on ``P("data")``; its static
+        ``num_pages`` is ``pages_per_shard`` and its ids are shard-local.
+      mesh: a ``("data", "model")`` mesh, model axis 1 (static).
+      scrub, impl: as :class:`~paxkv.paged_cache.PagedCache`'s (static).
+    """
+
+    pools: kv_pool.KVPool
+    tables: pt.PageTable
+    mesh: Mesh
+    scrub: bool = True
+    impl: str = "xla"
+
+    shares_pages = True
+
+    # -- sizes ----------------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        return self.tables.block_tables.shape[0]
+
+    @property
+    def rows_per_shard(self) -> int:
+        return self.tables.block_tables.shape[1]
+
+    @property
+    def pages_per_shard(self) -> int:
+        return self.tables.num_pages
+
+    @property
+    def max_seqs(self) -> int:
+        return self.num_shards * self.rows_per_shard
+
+    @property
+    def max_len(self) -> int:
+        return self.tables.block_tables.shape[2] * self.page_size
+
+    @property
+    def page_size(self) -> int:
+        return self.tables.page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages one row can draw on: its shard's (see the module docstring)."""
+        return self.pages_per_shard
+
+    @property
+    def total_pages(self) -> int:
+        """Real pages over all shards (sentinels excluded)."""
+        return self.num_shards * self.pages_per_shard
+
+    @property
+    def lengths(self) -> jax.Array:
+        """int32 ``[max_seqs]``."""
+        return self.tables.lengths.reshape(-1)
+
+    @property
+    def active(self) -> jax.Array:
+        """bool ``[max_seqs]``."""
+        return self.tables.active.reshape(-1)
+
+    def _by_shard(self, x: jax.Array) -> jax.Array:
+        """``[max_seqs, ...]`` -> ``[data, rows_per_shard, ...]`` (row r -> shard r // rps)."""
+        return x.reshape(self.num_shards, self.rows_per_shard, *x.shape[1:])
+
+    def _local(self, block: tuple[kv_pool.KVPool, pt.PageTable]) -> PagedCache:
+        return PagedCache(pool=block[0], table=block[1], scrub=self.scrub, impl=self.impl)
+
+    def _run(self, fn: Callable[..., Any], *per_row: jax.Array, shared: Any = (),
+             out_specs: Any = pmesh.SHARDED) -> Any:
+        """``fn(shard_cache, per_row_blocks, shared)`` on every shard (per-row arrays
+        ``[max_seqs, ...]`` split by shard)."""
+        blocks = (self.pools, self.tables, tuple(self._by_shard(x) for x in per_row))
+        return pmesh.per_shard(lambda b, s: fn(self._local(b[:2]), b[2], s), self.mesh,
+                               blocks, shared, out_specs)
+
+    def _with(self, local: tuple[kv_pool.KVPool, pt.PageTable]) -> "ShardedPagedCache":
+        return dataclasses.replace(self, pools=local[0], tables=local[1])
+
+    # -- the KVCache protocol -------------------------------------------------------------
+    def reserve(self, num_new: jax.Array, *,
+                max_new: int) -> tuple["ShardedPagedCache", jax.Array]:
+        """Room for ``num_new`` int32 ``[max_seqs]`` more tokens per row, each row from its
+        own shard's pages; ``ok`` bool ``[max_seqs]``."""
+        def fn(c, rows, _):
+            c, ok = c.reserve(rows[0], max_new=max_new)
+            return (c.pool, c.table), ok
+        local, ok = self._run(fn, jnp.asarray(num_new, jnp.int32))
+        return self._with(local), ok.reshape(-1)
+
+    def release(self, rows: jax.Array) -> tuple["ShardedPagedCache", jax.Array]:
+        """Ends rows (bool ``[max_seqs]``); ``ok`` bool ``[max_seqs]``."""
+        def fn(c, mask, _):
+            c, ok = c.release(mask[0])
+            return (c.pool, c.table), ok
+        local, ok = self._run(fn, jnp.asarray(rows, bool))
+        return self._with(local), ok.reshape(-1)
+
+    def fork(self, parents: jax.Array,
+             children: jax.Array) -> tuple["ShardedPagedCache", jax.Array]:
+        """Row ``children[i]`` shares ``parents[i]``'s pages (int32 ``[k]`` global rows);
+        ``ok`` bool ``[k]`` is False for a pair whose rows live in different shards."""
+        def fn(c, _, pair):
+            p, ch = pair
+            mine = (_shard_of(p, self.rows_per_shard) == lax.axis_index(pmesh.DATA)) & (
+                _shard_of(ch, self.rows_per_shard) == lax.axis_index(pmesh.DATA))
+            c, ok = c.fork(self._to_local(p, mine), self._to_local(ch, mine))
+            return (c.pool, c.table), ok & mine
+        pair = (jnp.asarray(parents, jnp.int32), jnp.asarray(children, jnp.int32))
+        local, ok = self._run(fn, shared=pair)
+        return self._with(local), jnp.any(ok, axis=0)
+
+    def reorder(self, parents: jax.Array) -> tuple["ShardedPagedCache", jax.Array]:
+        """Row ``b`` continues row ``parents[b]`` (int32 ``[max_seqs]``, -1 = drop); a row
+        whose parent lives in another shard is dropped too (``ok`` False)."""
+        def fn(c, par, _):
+            mine = _shard_of(par[0], self.rows_per_shard) == lax.axis_index(pmesh.DATA)
+            c, ok = c.reorder(self._to_local(par[0], mine))
+            return (c.pool, c.table), ok
+        local, ok = self._run(fn, jnp.asarray(parents, jnp.int32))
+        return self._with(local), ok.reshape(-1)
+
+    def _to_local(self, rows: jax.Array, mine: jax.Array) -> jax.Array:
+        """Global row ids -> this shard's local ids, -1 where not ``mine``."""
+        return jnp.where(mine, rows % self.rows_per_shard, -1)
+
+    def free_pages(self) -> jax.Array:
+        """int32 scalar: free pages of the fullest shard that has a free row (of the fullest
+        shard when none has): what the engine may count on for its next admission."""
+        free = self.shard_free_pages()
+        open_rows = jnp.any(~self.tables.active, axis=1)
+        return jnp.min(jnp.where(open_rows | ~jnp.any(open_rows), free, self.pages_per_shard))
+
+    def shard_free_pages(self) -> jax.Array:
+        """int32 ``[data]``: pages nobody holds, per shard."""
+        return jnp.sum(self.tables.ref_counts == 0, axis=1).astype(jnp.int32)
+
+    def pages_used(self) -> jax.Array:
+        """int32 ``[max_seqs]``: pages each row references."""
+        return self.tables.pages_held().reshape(-1)
+
+    def shard_stats(self) -> pt.TableStats:
+        """:func:`paxkv.page_table.stats` per shard: each field ``[data]``."""
+        return jax.vmap(pt.stats)(self.tables)
+
+    def stats(self) -> pt.TableStats:
+        """Pool-wide accounting over all shards (scalars)."""
+        s = self.shard_stats()
+        used, filled = jnp.sum(s.used_pages), jnp.sum(s.slots_filled)
+        capacity = used * self.page_size
+        return pt.TableStats(
+            free_pages=jnp.sum(s.free_pages), used_pages=used,
+            shared_pages=jnp.sum(s.shared_pages), tokens_held=jnp.sum(s.tokens_held),
+            slots_filled=filled, active_seqs=jnp.sum(s.active_seqs),
+            internal_fragmentation=jnp.where(
+                capacity > 0, 1.0 - filled / jnp.maximum(capacity, 1), 0.0).astype(jnp.float32))
+
+    def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               step: StepInfo, *, sm_scale: float | None = None,
+               logit_soft_cap: float | None = None) -> tuple["ShardedPagedCache", jax.Array]:
+        """:meth:`paxkv.protocol.KVCache.attend` per shard: q ``[b, t, H, Dh]``, k/v ``[b, t,
+        K, Dh]`` -> ``(cache, [b, t, H, Dh])``.
+
+        A decode over every row in order (``step.rows`` None) splits the batch by shard: no
+        collective. A batch of chosen rows is seen whole by every shard, which writes and
+        reads only its own rows (the others are padding there) and one ``psum`` over
+        ``"data"`` assembles the output.
+        """
+        scores = dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
+        layer = jnp.asarray(layer, jnp.int32)
+        if step.rows is None:
+            def in_order(c, x, _):
+                q_, k_, v_, pos, lens, qlens = x
+                shard_step = StepInfo(pos, lens, qlens, None, step.plan)
+                c, out = c.attend(layer, q_, k_, v_, shard_step, **scores)
+                return (c.pool, c.table), out
+            local, out = self._run(in_order, q, k, v, step.positions, step.lengths,
+                                   step.query_lengths, shared=layer)
+            return self._with(local), out.reshape(q.shape)
+        local, out = self._run(functools.partial(self._attend_rows, step=step, scores=scores),
+                               shared=(layer, q, k, v, step),
+                               out_specs=(pmesh.SHARDED, pmesh.REPLICATED))
+        return self._with(local), out
+
+    def _attend_rows(self, c: PagedCache, _: tuple, shared: tuple, *, step: StepInfo,
+                     scores: dict) -> tuple[tuple[kv_pool.KVPool, pt.PageTable], jax.Array]:
+        """One shard's part of a chosen-rows step: foreign rows become padding."""
+        layer, q, k, v, full = shared
+        mine = _shard_of(full.rows, self.rows_per_shard) == lax.axis_index(pmesh.DATA)
+        shard_step = StepInfo(positions=jnp.where(mine[:, None], full.positions, -1),
+                              lengths=jnp.where(mine, full.lengths, 0),
+                              query_lengths=jnp.where(mine, full.query_lengths, 0),
+                              rows=jnp.where(mine, full.rows % self.rows_per_shard, 0),
+                              plan=step.plan)
+        c, out = c.attend(layer, q, k, v, shard_step, **scores)
+        out = jnp.where(mine[:, None, None, None], out, jnp.zeros_like(out))
+        return (c.pool, c.table), lax.psum(out, pmesh.DATA)
+
+
+def _shard_of(rows: jax.Array, rows_per_shard: int) -> jax.Array:
+    """The shard of each global row id (-1 stays negative: no shard)."""
+    return jnp.where(rows >= 0, rows // rows_per_shard, -1)
+
+
+def _split(name: str, total: int, data: int) -> int:
+    """``total / data``, or a ``ValueError`` naming ``name`` and the nearest sizes that fit."""
+    if not isinstance(total, int) or total < data or total % data:
+        lo, hi = max(data, total // data * data), (total // data + 1) * data
+        raise ValueError(f"{name}={total!r} must be a positive multiple of the mesh's data "
+                         f"axis ({data}): use {name}={lo} or {hi}, or another data axis")
+    return total // data
+
+
+def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+           page_size: int, max_seqs: int, max_len: int, dtype: jnp.dtype = jnp.float32,
+           fill: float = 0.0, scrub: bool = True,
+           attention_impl: str = "xla") -> ShardedPagedCache:
+    """An empty sharded cache: ``num_pages`` and ``max_seqs`` split evenly over the mesh's
+    data axis, each shard with its own sentinel page, the pool created in place on its devices
+    (``fill``, ``dtype``: as :func:`paxkv.paged_cache.create`). Raises ``ValueError`` naming
+    what to change for a mesh or a size that does not fit."""
+    data = pmesh.data_size(mesh)
+    mesh = pmesh.auto(mesh)
+    rows, pages = _split("max_seqs", max_seqs, data), _split("num_pages", num_pages, data)
+    if not isinstance(page_size, int) or page_size < 1 or max_len < 1:
+        raise ValueError(f"page_size and max_len must be ints >= 1, got {page_size!r}, "
+                         f"{max_len!r}")
+    impl = resolve_impl(attention_impl, dtype)
+    table = pt.create(num_pages=pages, page_size=page_size, max_seqs=rows,
+                      max_pages_per_seq=buckets.cdiv(max_len, page_size))
+    where = pmesh.sharded(mesh)
+    tables = jax.tree.map(
+        lambda x: jax.device_put(jnp.broadcast_to(x, (data, *x.shape)), where), table)
+
+    def make_pools() -> kv_pool.KVPool:
+        one = kv_pool.create(num_layers=num_layers, num_pages=pages, num_kv_heads=num_kv_heads,
+                             page_size=page_size, head_dim=head_dim, dtype=dtype, fill=fill)
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (data, *x.shape)), one)
+
+    pools = jax.jit(make_pools, out_shardings=where)()  # each device builds only its block
+    return ShardedPagedCache(pools=pools, tables=tables, mesh=mesh, scrub=scrub, impl=impl)

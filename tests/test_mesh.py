@@ -1,0 +1,281 @@
+"""The paged cache over a data-axis mesh (:mod:`paxkv.sharded_cache`) on forced CPU devices.
+
+``JAX_NUM_CPU_DEVICES`` must be set before JAX starts, so every check runs in a subprocess of
+its own (``python -c`` importing this file and calling one ``worker_*`` function, which prints
+its findings as JSON; warnings are errors there, so a "donated buffers were not usable"
+warning fails the test). The parent asserts on the JSON.
+
+Checked: greedy tokens through :class:`paxkv.Engine` on meshes (8, 1), (4, 1) and (2, 1) with a
+pool small enough to preempt equal a single-device paged run; after every engine step, per
+shard: ref counts equal a recount of the block tables, page ids are local, every cache leaf
+keeps its sharding; at the end every shard's pool is free. The page-table ops compile to 0
+collectives; each device holds 1 / data of the pool; cross-shard fork / reorder fail with
+``ok`` False; a donated step donates every leaf.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGE_SIZE, MAX_LEN, MAX_SEQS = 4, 24, 16
+REF_PAGES = MAX_SEQS * MAX_LEN // PAGE_SIZE  # the single-device run never preempts
+TIGHT = {8: 48, 4: 24, 2: 16}  # data axis -> num_pages: 6 / 6 / 8 pages a shard, preempts
+
+
+def run_worker(name: str, *args: object, devices: int = 8, timeout: int = 300) -> dict:
+    """Runs ``worker_<name>(*args)`` in a fresh interpreter with ``devices`` CPU devices."""
+    code = ("import sys, json; sys.path.insert(0, 'tests'); import test_mesh as t; "
+            f"print('RESULT ' + json.dumps(t.worker_{name}(*{args!r})))")
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+# -- workers (run in the subprocess) -------------------------------------------------------
+def _start() -> None:
+    import jax  # noqa: PLC0415
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
+    warnings.simplefilter("error")
+
+
+def _workload() -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(0)
+    return [(rng.integers(8, 256, int(rng.integers(2, 12))).tolist(), int(rng.integers(2, 10)))
+            for _ in range(12)]
+
+
+def shard_problems(cache) -> list[str]:
+    """Per-shard invariants of a :class:`ShardedPagedCache` (empty list: all hold)."""
+    import jax  # noqa: PLC0415
+
+    from paxkv import mesh as pmesh  # noqa: PLC0415
+
+    t = jax.device_get(cache.tables)
+    pps, out = t.num_pages, []
+    for s in range(t.block_tables.shape[0]):
+        bt, lengths, refs = t.block_tables[s], t.lengths[s], t.ref_counts[s]
+        cells = np.arange(bt.shape[1])[None, :] < (-(-lengths // t.page_size))[:, None]
+        if ((bt < 0) | (bt > pps)).any() or (bt[cells] == pps).any():
+            out.append(f"shard {s}: page ids not local or a held cell is the sentinel")
+        if (bt[~cells] != pps).any() or (lengths[~t.active[s]] != 0).any():
+            out.append(f"shard {s}: padding is not the sentinel or an idle row has a length")
+        if not np.array_equal(np.bincount(bt[cells], minlength=pps), refs):
+            out.append(f"shard {s}: ref counts {refs.tolist()} != recount of its tables")
+    want = pmesh.sharded(cache.mesh)
+    for leaf in jax.tree.leaves((cache.pools, cache.tables)):
+        if not leaf.sharding.is_equivalent_to(want, leaf.ndim):
+            out.append(f"a {leaf.shape} leaf moved to {leaf.sharding}")
+    return out
+
+
+def _engine_run(lm, cache, check: bool) -> dict:
+    import paxkv  # noqa: PLC0415
+
+    engine = paxkv.Engine(lm, cache=cache, prefix_cache=False, prefill_chunk=16,
+                          prefill_tokens=64)
+    ids = [engine.submit(p, max_new_tokens=n, stop_token_ids=()) for p, n in _workload()]
+    results, problems, steps = {}, [], 0
+    while engine.has_work():
+        results.update(engine.step().finished)
+        steps += 1
+        problems += shard_problems(engine.cache) if check else []
+    out = dict(tokens=[results[i].token_ids for i in ids], steps=steps, problems=problems,
+               preemptions=engine.counters.preemptions)
+    if check:
+        c = engine.cache
+        out.update(free=c.shard_free_pages().tolist(), pages_per_shard=c.pages_per_shard,
+                   engine_free=int(c.free_pages()))
+    return out
+
+
+def worker_engine(datas: list[int]) -> dict:
+    """Greedy tokens of the workload: single-device paged, then sharded on each data axis
+    with the :data:`TIGHT` pool (NaN-filled: a stray read would poison the tokens)."""
+    _start()
+    from paxkv import mesh as pmesh, paged_cache, sharded_cache  # noqa: PLC0415
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    lm = tiny_lm(scale=1.0)
+    dims = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
+                page_size=PAGE_SIZE, max_len=MAX_LEN, max_seqs=MAX_SEQS)
+    out = {"ref": _engine_run(lm, paged_cache.create(num_pages=REF_PAGES, **dims), False)}
+    for data in datas:
+        cache = sharded_cache.create(mesh=pmesh.make_mesh(data), num_pages=TIGHT[data],
+                                     fill=float("nan"), **dims)
+        out[str(data)] = _engine_run(lm, cache, True)
+    return out
+
+
+def _tables_filled(mesh, dims: dict):
+    """A sharded cache with rows 0, 1, 2, 5 holding 5, 9, 4, 13 tokens."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from paxkv import sharded_cache  # noqa: PLC0415
+
+    cache = sharded_cache.create(mesh=mesh, **dims)
+    num_new = jnp.zeros((cache.max_seqs,), jnp.int32).at[jnp.array([0, 1, 2, 5])].set(
+        jnp.array([5, 9, 4, 13]))
+    cache, ok = cache.reserve(num_new, max_new=16)
+    assert bool(ok.all())
+    return cache
+
+
+def worker_ops() -> dict:
+    """Table ops on a data-8 mesh: compiled collectives, pool placement, fork / reorder
+    across shards, donation."""
+    _start()
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from paxkv import mesh as pmesh  # noqa: PLC0415
+
+    mesh = pmesh.make_mesh(8)
+    dims = dict(num_layers=2, num_kv_heads=1, head_dim=16, num_pages=64, page_size=PAGE_SIZE,
+                max_seqs=MAX_SEQS, max_len=MAX_LEN)
+    cache = _tables_filled(mesh, dims)
+    s = cache.max_seqs
+    ops = {
+        "reserve": (lambda c, n: c.reserve(n, max_new=1), jnp.ones((s,), jnp.int32)),
+        "release": (lambda c, r: c.release(r), jnp.zeros((s,), bool).at[1].set(True)),
+        "fork": (lambda c, p: c.fork(p, p + 1), jnp.full((s,), -1, jnp.int32)),
+        "reorder": (lambda c, p: c.reorder(p), jnp.arange(s, dtype=jnp.int32)),
+    }
+    hlo = {name: pmesh.count_collectives(jax.jit(fn).lower(cache, x).compile().as_text())
+           for name, (fn, x) in ops.items()}
+    pool = cache.pools.k
+    placement = dict(devices=len(pool.addressable_shards), total=pool.nbytes,
+                     per_device=sorted({x.data.nbytes for x in pool.addressable_shards}),
+                     shard_shape=list(pool.addressable_shards[0].data.shape),
+                     distinct=len({x.device for x in pool.addressable_shards}))
+    # rows 0,1 are shard 0; row 2 shard 1; row 5 shard 2 (2 rows a shard)
+    forked, fork_ok = jax.jit(lambda c: c.fork(jnp.array([2, 0, 5]), jnp.array([3, 4, 3])))(
+        cache)
+    parents = jnp.arange(s, dtype=jnp.int32).at[3].set(2).at[4].set(0)
+    reordered, reorder_ok = jax.jit(lambda c: c.reorder(parents))(cache)
+    forks = dict(ok=fork_ok.tolist(), lengths=forked.lengths.tolist(),
+                 problems=shard_problems(forked))
+    reorders = dict(ok=reorder_ok.tolist(), lengths=reordered.lengths.tolist(),
+                    problems=shard_problems(reordered))
+    return dict(hlo=hlo, placement=placement, fork=forks, reorder=reorders,
+                donation=_donation(mesh, dims))
+
+
+def _donation(mesh, dims: dict) -> dict:
+    """A prefill step then a decode step of the tiny model, the cache donated each time."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from paxkv import mesh as pmesh, sharded_cache, steps  # noqa: PLC0415
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    lm = tiny_lm(scale=1.0)
+    cache = sharded_cache.create(mesh=mesh, **dict(dims, num_kv_heads=lm.num_kv_heads,
+                                                   head_dim=lm.head_dim))
+    s = cache.max_seqs
+    before = jax.tree.leaves(cache)
+    tokens = jnp.arange(s * 8, dtype=jnp.int32).reshape(s, 8) % 200 + 8
+    rows, qlens = jnp.arange(s, dtype=jnp.int32), jnp.full((s,), 8, jnp.int32)
+    cache, first, ok, _ = steps.prefill_step(lm.forward, lm.params, cache, tokens, rows, qlens,
+                                             None)
+    deleted = all(x.is_deleted() for x in before)
+    cache, nxt, ok2, _ = steps.decode_step(lm.forward, lm.params, cache, first,
+                                           jnp.ones((s,), bool), None)
+    counts = {}
+    for name, fn, args in (("prefill", steps.prefill_step, (tokens, rows, qlens, None)),
+                           ("decode", steps.decode_step, (nxt, jnp.ones((s,), bool), None))):
+        text = fn.lower(lm.forward, lm.params, cache, *args).compile().as_text()
+        counts[name] = pmesh.count_collectives(text)
+    return dict(deleted=deleted, ok=bool(ok.all() & ok2.all()),
+                problems=shard_problems(cache), step_collectives=counts)
+
+
+def worker_errors() -> dict:
+    """The messages of meshes and sizes that do not fit."""
+    _start()
+    from paxkv import mesh as pmesh, sharded_cache  # noqa: PLC0415
+
+    dims = dict(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, max_len=16)
+    cases = {"model": dict(mesh=pmesh.make_mesh(2, 2), num_pages=8, max_seqs=4),
+             "max_seqs": dict(mesh=pmesh.make_mesh(4), num_pages=8, max_seqs=6),
+             "num_pages": dict(mesh=pmesh.make_mesh(4), num_pages=10, max_seqs=4),
+             "axes": dict(mesh="not a mesh", num_pages=8, max_seqs=4)}
+    from paxkv.protocol import KVCache  # noqa: PLC0415
+
+    cache = sharded_cache.create(mesh=pmesh.make_mesh(2), num_pages=8, max_seqs=4, **dims)
+    out = {"is_kv_cache": isinstance(cache, KVCache), "sizes": [
+        cache.max_seqs, cache.num_pages, cache.total_pages, cache.max_len, cache.page_size]}
+    for name, kw in cases.items():
+        try:
+            sharded_cache.create(**kw, **dims)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+# -- tests ---------------------------------------------------------------------------------
+def _check_engine_runs(found: dict, datas: list[int]) -> None:
+    ref = found["ref"]["tokens"]
+    assert len({tuple(t) for t in ref}) > 6, "the workload's tokens should vary"
+    for data in datas:
+        run = found[str(data)]
+        assert run["tokens"] == ref, f"data={data}"
+        assert run["preemptions"] > 0, f"data={data}: the pool never ran dry"
+        assert run["problems"] == [], run["problems"][:5]
+        assert run["free"] == [run["pages_per_shard"]] * data
+        assert run["engine_free"] == run["pages_per_shard"]
+
+
+def test_engine_on_data_meshes_matches_one_device():
+    """(8, 1), (4, 1) and (2, 1): the same greedy tokens as one device, through preemption."""
+    found = run_worker("engine", [8, 4, 2])
+    for data in (8, 4, 2):
+        run = found[str(data)]
+        print(f"data={data}: {run['steps']} steps, {run['preemptions']} preemptions")
+    _check_engine_runs(found, [8, 4, 2])
+
+
+def test_table_ops_collectives_placement_and_donation():
+    found = run_worker("ops")
+    print("table-op collectives:", found["hlo"])
+    print("step collectives:", found["donation"]["step_collectives"])
+    for name in ("reserve", "release", "reorder"):
+        assert sum(found["hlo"][name].values()) == 0, (name, found["hlo"][name])
+    # a fork's pairs name global rows: one all-reduce gathers each pair's ok from its shard
+    assert found["hlo"]["fork"] == dict(found["hlo"]["reserve"], **{"all-reduce": 1})
+    place = found["placement"]
+    assert place["devices"] == place["distinct"] == 8
+    assert place["per_device"] == [place["total"] // 8]
+    assert place["shard_shape"][0] == 1 and place["shard_shape"][2] == 64 // 8 + 1
+    # fork: (2 -> 3) same shard ok; (0 -> 4) and (5 -> 3) cross shards fail, change nothing
+    assert found["fork"]["ok"] == [True, False, False]
+    lengths = found["fork"]["lengths"]
+    assert lengths[:6] == [5, 9, 4, 4, 0, 13] and found["fork"]["problems"] == []
+    # reorder: row 3 continues row 2 (same shard); row 4 would continue row 0: dropped
+    ok, lengths = found["reorder"]["ok"], found["reorder"]["lengths"]
+    assert ok[:6] == [True, True, True, True, False, True]
+    assert lengths[:6] == [5, 9, 4, 4, 0, 13] and found["reorder"]["problems"] == []
+    donation = found["donation"]
+    assert donation["deleted"] and donation["ok"] and donation["problems"] == []
+
+
+def test_mesh_and_size_errors_name_the_fix():
+    found = run_worker("errors")
+    assert "model-axis" in found["model"] and "not built yet" in found["model"]
+    assert "max_seqs=6" in found["max_seqs"] and "max_seqs=4 or 8" in found["max_seqs"]
+    assert "num_pages=8 or 12" in found["num_pages"]
+    assert "('data', 'model')" in found["axes"]
+    # the engine-facing num_pages is one shard's (module docstring of paxkv.sharded_cache)
+    assert found["is_kv_cache"] and found["sizes"] == [4, 4, 8, 16, 4]
