@@ -28,7 +28,7 @@ demo: $(VENV)/.runtime
 test: $(VENV)/.testing
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
-# The edit-test loop: no HF oracle, no run of the 135M model, no soak.
+# The edit-test loop: no HF oracle, no run of the 135M model, no long run (`slow`).
 test-fast: $(VENV)/.testing
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not oracle and not model and not slow"
 

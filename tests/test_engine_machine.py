@@ -178,6 +178,7 @@ def run_machine() -> int:
     return OPS["count"]
 
 
+@pytest.mark.slow  # ~2-4 minutes of engine steps: `make test` runs it, `make test-fast` not
 def test_engine_state_machine():
     """>= 2,000 operations with 0 invariant breaks, in a process of its own: a pytest worker
     that had run other files twice died in XLA's compile of a decode step here (a segmentation

@@ -23,6 +23,7 @@ import sys
 import warnings
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGE_SIZE, MAX_LEN, MAX_SEQS = 4, 24, 16
@@ -238,6 +239,7 @@ def _check_engine_runs(found: dict, datas: list[int]) -> None:
         assert run["engine_free"] == run["pages_per_shard"]
 
 
+@pytest.mark.slow  # three engine runs on 8 forced devices (~1-2 minutes)
 def test_engine_on_data_meshes_matches_one_device():
     """(8, 1), (4, 1) and (2, 1): the same greedy tokens as one device, through preemption."""
     found = run_worker("engine", [8, 4, 2])
@@ -298,6 +300,7 @@ def worker_readme() -> dict:
                 free=int(engine.cache.stats().free_pages), pages=engine.cache.total_pages)
 
 
+@pytest.mark.model  # the README block loads the default model
 def test_readme_scaling_out_block_runs():
     found = run_worker("readme")
     assert all(1 <= n <= 4 for n in found["lengths"])
