@@ -1,0 +1,281 @@
+"""The scorer: one cache, its prefix index and the scoring steps, driven batch by batch.
+
+One batch (as many contexts as the rows and pages allow)::
+
+    admit      each context takes a row; a prefix-cache hit attaches its cached pages
+    prefill    the rest of each context, in chunks; the last chunk scores every distinct first
+               continuation token from the last position's logits (score_last_step)
+    index      the contexts' full pages go into the prefix index (later contexts reuse them)
+    fork       a context with k multi-token continuations: its row is child 0, k - 1 forks
+               share its pages (the partial last page is copied by each writer but one)
+    score      every child row feeds its continuation but the last token, teacher-forced,
+               many rows per step (score_step); chunks when longer than a step
+    release    every row; after the last batch the index lets go too: the pool is all free
+
+Everything the device does is a jitted function with the cache donated; the host keeps token
+lists, rows and counts.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from paxkv import buckets, dense_cache, paged_cache, policy
+from paxkv.attention import plan as attention_plan
+from paxkv.cache_ops import CacheOps, count_copies, shared_partial_pages
+from paxkv.prefix_cache import Hit
+from paxkv.protocol import check_model
+from paxkv.scoring import steps
+from paxkv.scoring.batches import (ChildRow, ContextRow, context_step, continuation_step,
+                                   pages_needed)
+from paxkv.scoring.requests import Pair, group
+from paxkv.scoring.results import ScoreResult, ScoreStats
+from paxkv.scoring.shared import SharedContexts
+
+
+class Scorer:
+    """Scores ``(context, continuation)`` token pairs through one cache, reused across calls.
+
+    Args:
+      lm: a :class:`paxkv.protocol.Model`.
+      cache: "paged" or "dense" (the comparison twin: a fork copies the row).
+      share: prefill each distinct context once and fork it; with a paged cache the prefix
+        cache also shares full pages across contexts. False: every pair alone (the baseline).
+      max_seqs: cache rows (contexts + continuations in flight at once).
+      max_len: the most tokens one row holds (context + continuation - 1).
+      page_size, num_pages, kv_dtype, attention_impl: the cache's layout (``num_pages``
+        defaults to ``max_seqs`` full rows).
+      prefill_chunk: widest context chunk per step; prefill_tokens, score_tokens: batch x
+        width budgets of a context step and of a continuation step (whose ``[b, t, vocab]``
+        logits stay inside the step).
+    """
+
+    def __init__(self, lm: Any, *, cache: str = "paged", share: bool = True,
+                 max_seqs: int = 32, max_len: int = 2048, page_size: int = 16,
+                 num_pages: int | None = None, kv_dtype: Any = jnp.float32,
+                 attention_impl: str = "auto", prefill_chunk: int = 512,
+                 prefill_tokens: int = 4096, score_tokens: int = 2048):
+        check_model(lm)
+        if not isinstance(max_seqs, int) or max_seqs < 1:
+            raise ValueError(f"max_seqs must be an int >= 1, got {max_seqs!r}")
+        dims = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
+                    head_dim=lm.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
+        if cache == "paged":
+            kv = paged_cache.create(
+                num_pages=num_pages or max_seqs * buckets.cdiv(max_len, page_size),
+                page_size=page_size, attention_impl=attention_impl, **dims)
+        elif cache == "dense":
+            kv = dense_cache.create(**dims)
+        else:
+            raise ValueError(f"cache must be 'paged' or 'dense', got {cache!r}")
+        self.lm, self.share = lm, share
+        self.ops = CacheOps(kv, max_len)
+        self.shared = SharedContexts(self.ops) if share and kv.shares_pages else None
+        self.forward_all = steps.all_logits(lm)
+        self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
+        self.score_tokens = score_tokens
+        self.stats = ScoreStats()
+
+    @property
+    def cache(self) -> Any:
+        """The cache as of the last operation (replaced by every step: do not keep it)."""
+        return self.ops.cache
+
+    def reset_stats(self) -> None:
+        self.stats = ScoreStats()
+
+    # -- the whole call -------------------------------------------------------------------
+    def score(self, pairs: Sequence[Pair]) -> list[ScoreResult]:
+        """Scores token pairs (:func:`paxkv.scoring.requests.token_pairs`), in order."""
+        self._check_fits(pairs)
+        lps: list[list[float]] = [[0.0] * len(c) for _, c in pairs]
+        greedy: list[list[bool]] = [[True] * len(c) for _, c in pairs]
+        queue = collections.deque(group(pairs, share=self.share, max_children=self.ops.max_seqs))
+        self.stats.requests += len(pairs)
+        try:
+            while queue:
+                live = self._admit(queue, pairs)
+                self._prefill(live, pairs, lps, greedy)
+                children = self._fork(live, pairs)
+                self._score_children(children, lps, greedy)
+                if children:
+                    self.ops.release([c.row for c in children])
+        finally:
+            self._clear()
+        return [ScoreResult(float(np.sum(lp, dtype=np.float64)), all(g), tuple(lp))
+                for lp, g in zip(lps, greedy)]
+
+    def _check_fits(self, pairs: Sequence[Pair]) -> None:
+        cache = self.ops.cache
+        for i, (ctx, cont) in enumerate(pairs):
+            n = len(ctx) + len(cont) - 1
+            if n > self.ops.max_len:
+                raise ValueError(f"request {i} needs {n} tokens of cache (context {len(ctx)} + "
+                                 f"continuation {len(cont)} - 1) but max_len={self.ops.max_len}:"
+                                 " raise max_len, or truncate with max_length")
+            pages = pages_needed(ctx, [cont], cache.page_size)
+            if cache.shares_pages and pages > cache.num_pages:
+                raise ValueError(f"request {i} needs {pages} pages but num_pages="
+                                 f"{cache.num_pages}: raise num_pages")
+
+    # -- admission ------------------------------------------------------------------------
+    def _admit(self, queue: collections.deque, pairs: Sequence[Pair]) -> list[ContextRow]:
+        """Takes contexts off ``queue`` while rows and pages allow; one whose next uncached
+        page another context of this batch is writing waits for the next batch (then it is
+        cached)."""
+        live: list[ContextRow] = []
+        rows_left, pending = self.ops.max_seqs, set()
+        free = self.ops.free
+        while queue:
+            g = queue[0]
+            kids = g.children(pairs)
+            rows = max(1, len(kids))
+            hit, digests = self.shared.lookup(g.context) if self.shared else (Hit(), [])
+            if rows > rows_left or (hit.num_full < len(digests)
+                                    and digests[hit.num_full] in pending):
+                break
+            need = (pages_needed(g.context, [pairs[k][1] for k in kids],
+                                 self.ops.cache.page_size, hit.num_full)
+                    if self.ops.cache.shares_pages else rows)
+            if need > free and self.shared is not None:
+                free += self.shared.evict(need - free, hit.pages)
+            if need > free:
+                if not live:
+                    raise ValueError(f"a context of {len(g.context)} tokens with {len(kids)} "
+                                     f"continuations needs {need} pages, {free} are free: "
+                                     "raise num_pages")
+                break
+            queue.popleft()
+            row = self.ops.max_seqs - rows_left
+            if hit.num_tokens:
+                self.shared.attach(row, g.context, hit)
+            live.append(ContextRow(g, row, hit.num_tokens))
+            rows_left -= rows
+            free -= need
+            pending.update(digests)
+        self.stats.contexts += len(live)
+        self.stats.cached_tokens += sum(r.cached for r in live)
+        return live
+
+    def _clear(self) -> None:
+        """Every row and cached page back in the pool."""
+        active = np.flatnonzero(np.asarray(self.ops.cache.active))
+        if active.size:
+            self.ops.release(active.tolist())
+        if self.shared is not None:
+            self.shared.clear()
+        self.ops.refresh_free()
+
+    # -- the device steps -----------------------------------------------------------------
+    def _step(self, fn: Any, forward: Any, tokens: np.ndarray, rows: np.ndarray,
+              qlen: np.ndarray, extra: np.ndarray, plan: Any) -> tuple[np.ndarray, ...]:
+        """One jitted, donated step; counts tokens, pages and copy-on-write copies."""
+        probe = (shared_partial_pages(self.ops.cache.table)
+                 if self.ops.shares and self.ops.cache.shares_pages else None)
+        self.ops.cache, lp, greedy, ok, free = fn(
+            forward, self.lm.params, self.ops.cache, jnp.asarray(tokens), jnp.asarray(rows),
+            jnp.asarray(qlen), jnp.asarray(extra), plan=plan)
+        self.ops.free = int(free)
+        s = self.stats
+        s.peak_pages = max(s.peak_pages, self.ops.cache.num_pages - self.ops.free)
+        s.steps += 1
+        s.padded_tokens += tokens.size
+        if probe is not None:
+            s.cow_copies += int(count_copies(self.ops.cache.table, *probe))
+        ok = np.asarray(ok)
+        if not ok[qlen > 0].all():
+            raise RuntimeError("a scoring step found no room in the cache (the admission "
+                               "count was wrong): please report this")
+        return np.asarray(lp), np.asarray(greedy)
+
+    def _plan(self, prefixes: list[Sequence[int]], longest: int) -> Any:
+        cache = self.ops.cache
+        shared = (attention_plan.shared_prefix_pages(prefixes, cache.page_size)
+                  if cache.shares_pages and self.ops.shares else 0)
+        return attention_plan.plan_step(longest=longest, max_len=cache.max_len,
+                                        page_size=cache.page_size, prefix_pages=shared)
+
+    def _prefill(self, live: list[ContextRow], pairs: Sequence[Pair], lps: list[list[float]],
+                 greedy: list[list[bool]]) -> None:
+        """Feeds every context; its last chunk scores each member's first token."""
+        todo = sorted(live, key=lambda r: r.left, reverse=True)
+        while todo:
+            t = policy.prefill_width(todo[0].left, self.prefill_chunk)
+            n = policy.prefill_rows(t, self.prefill_tokens)
+            batch, todo = todo[:n], todo[n:]
+            while batch:
+                batch = self._prefill_chunk(batch, t, pairs, lps, greedy)
+                t = policy.prefill_width(max([r.left for r in batch], default=1), t)
+
+    def _prefill_chunk(self, batch: list[ContextRow], t: int, pairs: Sequence[Pair],
+                       lps: list[list[float]], greedy: list[list[bool]]) -> list[ContextRow]:
+        tokens, rows, qlen, cands, firsts = context_step(batch, t, pairs, self.ops.max_seqs)
+        plan = self._plan([r.group.context[:min(x.cached for x in batch)] for r in batch],
+                          max(r.cached + int(q) for r, q in zip(batch, qlen)))
+        lp, gr = self._step(steps.scored_last, self.lm.forward, tokens, rows, qlen, cands, plan)
+        self.stats.prefill_tokens += int(qlen.sum())
+        more = []
+        for i, r in enumerate(batch):
+            r.cached += int(qlen[i])
+            if r.left:
+                more.append(r)
+                continue
+            for m in r.group.members:
+                j = firsts[i].index(pairs[m][1][0])
+                lps[m][0], greedy[m][0] = float(lp[i, j]), bool(gr[i, j])
+        return more
+
+    def _fork(self, live: list[ContextRow], pairs: Sequence[Pair]) -> list[ChildRow]:
+        """Indexes the contexts' full pages, then turns each context row into its children
+        (child 0 keeps the row); a context with no multi-token continuation is released."""
+        if self.shared is not None:
+            self.shared.insert([r.row for r in live], [r.group.context for r in live])
+        used = {r.row for r in live}
+        spare = [x for x in range(self.ops.max_seqs) if x not in used]
+        children, done = [], []
+        for r in live:
+            kids = r.group.children(pairs)
+            if not kids:
+                done.append(r.row)
+                continue
+            rows = [r.row] + [spare.pop() for _ in kids[1:]]
+            self.ops.fork(r.row, rows[1:])
+            self.stats.forks += len(rows) - 1
+            children += [ChildRow(m, row, r.group.context, pairs[m][1])
+                         for m, row in zip(kids, rows)]
+        if done:
+            self.ops.release(done)
+        return children
+
+    def _score_children(self, children: list[ChildRow], lps: list[list[float]],
+                        greedy: list[list[bool]]) -> None:
+        """Teacher-forced steps over every child row, in chunks of at most a step's width."""
+        cap = self.forward_all.width_limit or self.prefill_chunk
+        todo = sorted([c for c in children if c.left], key=lambda c: c.left, reverse=True)
+        while todo:
+            t = buckets.pow2(todo[0].left, 4, cap) if cap > 1 else 1
+            b_max = max(1, min(self.ops.max_seqs, self.score_tokens // t))
+            batch, todo = todo[:b_max], todo[b_max:]
+            while batch:
+                batch = self._score_chunk(batch, t, lps, greedy)
+                if batch and cap > 1:
+                    t = buckets.pow2(max(c.left for c in batch), 4, t)
+
+    def _score_chunk(self, batch: list[ChildRow], t: int, lps: list[list[float]],
+                     greedy: list[list[bool]]) -> list[ChildRow]:
+        tokens, targets, rows, qlen = continuation_step(batch, t, self.ops.max_seqs)
+        lengths = np.asarray(self.ops.cache.lengths)
+        plan = self._plan([c.context for c in batch],
+                          int(max(lengths[c.row] + q for c, q in zip(batch, qlen))))
+        lp, gr = self._step(steps.scored, self.forward_all, tokens, rows, qlen, targets, plan)
+        self.stats.scored_tokens += int(qlen.sum())
+        for i, c in enumerate(batch):
+            n = int(qlen[i])
+            lps[c.request][c.done + 1:c.done + 1 + n] = lp[i, :n].tolist()
+            greedy[c.request][c.done + 1:c.done + 1 + n] = gr[i, :n].tolist()
+            c.done += n
+        return [c for c in batch if c.left]

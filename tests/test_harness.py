@@ -1,0 +1,171 @@
+"""paxkv as an lm-evaluation-harness backend: through lm-eval itself, against lm-eval's own
+``hf`` backend on the same GGUF weights (float32), on the offline tasks of ``tests/data/tasks``;
+and the backend's conventions and errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("lm_eval", reason="the harness needs the eval extra: pip install -e '.[eval]'")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lm_eval  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+import paxkv  # noqa: E402
+from paxkv.harness import PaxkvLM  # noqa: E402
+import oracle  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS_DIR = REPO / "tests" / "data" / "tasks"
+TASKS = ["paxkv_mc", "paxkv_mc_fewshot", "paxkv_rolling", "paxkv_gen"]
+MAX_LENGTH = 64  # short enough that few-shot contexts are cut and texts take several windows
+
+
+def _request(kind: str, args: tuple) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+@pytest.fixture(scope="module")
+def paxkv_lm(lm) -> PaxkvLM:
+    return PaxkvLM(max_length=MAX_LENGTH, batch_size=16)
+
+
+# -- conventions and errors (no HF) -------------------------------------------------------------
+def test_paxkv_is_registered_and_takes_no_arguments(paxkv_lm):
+    assert lm_eval.api.registry.get_model("paxkv") is PaxkvLM
+    assert paxkv_lm.prefix_token_id == 1 and paxkv_lm.eot_token_id == 2  # BOS, as hf does
+    assert PaxkvLM().max_length == 8192  # the model's context length, as hf reads it
+
+
+def test_unknown_model_args_and_a_wrong_device_name_what_to_change(lm):
+    with pytest.raises(ValueError, match="unknown model_args for paxkv: dtype, foo.*accepts"):
+        PaxkvLM.create_from_arg_string("foo=1,dtype=float32,page_size=16")
+    with pytest.raises(ValueError, match="device='npu:0' is not one of"):
+        PaxkvLM(device="npu:0")
+    with pytest.warns(UserWarning, match="using 'cpu'"):
+        assert PaxkvLM(device="cuda:0").device == "cpu"
+    with pytest.raises(ValueError, match="batch_size"):
+        PaxkvLM(batch_size=0)
+
+
+def test_empty_continuation_is_a_clear_error(paxkv_lm):
+    with pytest.raises(ValueError, match="empty continuation"):
+        paxkv_lm.loglikelihood([_request("loglikelihood", ("The sky is", ""))])
+    with pytest.raises(ValueError, match="tokenises to nothing"):
+        paxkv_lm._loglikelihood_tokens([(("a", " "), [5], [])])
+
+
+def test_empty_context_becomes_bos_and_long_contexts_are_cut_from_the_left(paxkv_lm, lm):
+    (got, greedy), = paxkv_lm.loglikelihood([_request("loglikelihood", ("", "Paris is big"))])
+    want = paxkv.score(lm, [([1], lm.encode("Paris is big"))])[0]
+    assert abs(got - want.logprob) < 1e-5 and greedy == want.is_greedy
+    ctx = " ".join(["word"] * 100)
+    (cut, _), = paxkv_lm.loglikelihood([_request("loglikelihood", (ctx, " end"))])
+    ids = lm.encode(ctx + " end")
+    want = paxkv.score(lm, [(ids[-(MAX_LENGTH + 1):-1], ids[-1:])])[0]
+    assert abs(cut - want.logprob) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_lm_eval_with_paxkv(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "paxkv.harness", "run", "--model", "paxkv", "--model_args",
+         "max_length=64", "--batch_size", "8", "--tasks", "paxkv_mc", "--include_path",
+         str(TASKS_DIR), "--limit", "2", "--output_path", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+        env=dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "paxkv_mc" in out.stdout and "acc" in out.stdout
+
+
+# -- the outside oracle: lm-eval's hf backend ---------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(hf, paxkv_lm):
+    """Both backends through ``simple_evaluate`` on every test task, samples logged."""
+    from lm_eval.models.huggingface import HFLM
+
+    hf_lm = HFLM(pretrained=hf.model, tokenizer=hf.tokenizer, batch_size=8,
+                 max_length=MAX_LENGTH)
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    return {name: lm_eval.simple_evaluate(model=model, tasks=TASKS, task_manager=manager,
+                                          log_samples=True, bootstrap_iters=0)
+            for name, model in (("hf", hf_lm), ("paxkv", paxkv_lm))}
+
+
+def _pairs(runs, task):
+    a, b = runs["hf"]["samples"][task], runs["paxkv"]["samples"][task]
+    assert [s["doc_id"] for s in a] == [s["doc_id"] for s in b] and a
+    return list(zip(a, b))
+
+
+def _arguments(sample) -> list[tuple]:
+    args = sample["arguments"]
+    if isinstance(args, dict):
+        return [tuple(v[f"arg_{i}"] for i in range(len(v))) for v in args.values()]
+    return [tuple(a) for a in args]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("task", ["paxkv_mc", "paxkv_mc_fewshot"])
+def test_loglikelihoods_and_accuracy_match_the_hf_backend(runs, task, hf, paxkv_lm):
+    diffs, unsure = [], []
+    for s_hf, s_px in _pairs(runs, task):
+        for i, (r_hf, r_px) in enumerate(zip(s_hf["resps"], s_px["resps"])):
+            (ll_hf, greedy_hf), (ll_px, greedy_px) = r_hf[0], r_px[0]
+            diffs.append(abs(ll_hf - ll_px))
+            if greedy_hf != greedy_px:
+                unsure.append(_arguments(s_hf)[i])
+    assert max(diffs) < 1e-3, max(diffs)
+    for ctx, cont in unsure:  # is_greedy may differ only where HF's top two nearly tie
+        assert _min_top2_margin(hf, paxkv_lm, ctx, cont) <= 1e-4, (ctx, cont)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert runs["hf"]["results"][task][metric] == runs["paxkv"]["results"][task][metric]
+
+
+def _min_top2_margin(hf, paxkv_lm, ctx: str, cont: str) -> float:
+    ctx_ids, cont_ids = paxkv_lm._encode_pair(ctx, cont)
+    ids = (ctx_ids + cont_ids)[-(MAX_LENGTH + 1):]
+    logits = oracle.hf_logits(hf, [ids[:-1]])[0][-len(cont_ids):]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return float(np.min(top2[:, 1] - top2[:, 0]))
+
+
+@pytest.mark.oracle
+def test_rolling_perplexity_matches_the_hf_backend(runs):
+    for s_hf, s_px in _pairs(runs, "paxkv_rolling"):
+        a, b = s_hf["resps"][0][0], s_px["resps"][0][0]
+        assert abs(a - b) <= 1e-4 * abs(a), (a, b)
+    hf_res, px_res = (runs[k]["results"]["paxkv_rolling"] for k in ("hf", "paxkv"))
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert abs(hf_res[metric] - px_res[metric]) <= 1e-4 * abs(hf_res[metric]), metric
+
+
+@pytest.mark.oracle
+def test_generate_until_matches_the_hf_backend(runs):
+    for s_hf, s_px in _pairs(runs, "paxkv_gen"):
+        assert s_hf["resps"] == s_px["resps"]
+        assert "\n" not in s_px["resps"][0][0]
+
+
+@pytest.mark.oracle
+def test_chat_template_matches_the_hf_backend(hf, paxkv_lm):
+    from lm_eval.models.huggingface import HFLM
+
+    hf_lm = HFLM(pretrained=hf.model, tokenizer=hf.tokenizer, batch_size=1)
+    for history in ([{"role": "user", "content": "Hi"}],
+                    [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "Name a colour."},
+                     {"role": "assistant", "content": "Blue "}]):
+        for prompt in (True, False):
+            assert paxkv_lm.apply_chat_template(history, prompt) == \
+                hf_lm.apply_chat_template(history, prompt)
+    assert paxkv_lm.chat_template(True) == hf_lm.chat_template(True)
