@@ -214,20 +214,27 @@ def test_jitted_reserve_and_attend_donate_codes_and_scales(kind):
     assert len(arrays(newer)) == 3
 
 
-def test_an_engine_with_an_int8_cache_counts_scales_and_frees_every_page():
+@pytest.mark.parametrize("dtype, stored, value_bytes, scale_bytes", [
+    (jnp.bfloat16, kv_storage.BFLOAT16_BITS, 2, 0),
+    (jnp.int8, jnp.dtype(jnp.int8), 1, 4),
+])
+def test_an_engine_with_a_narrow_cache_counts_its_bytes_and_frees_every_page(
+        dtype, stored, value_bytes, scale_bytes):
+    """bfloat16 (stored as bits on a CPU: two bytes a value) and int8 (one byte a value plus a
+    float32 scale per token and kv head, K and V each): 3 requests on 2 rows finish, every
+    page comes back, and ``kv_bytes_per_page`` counts what the pool holds."""
     lm = tiny_lm()
     c = lm.config
-    engine = paxkv.Engine(lm, max_seqs=2, max_len=48, page_size=4, kv_dtype=jnp.int8)
-    assert engine.cache.pool.k.dtype == jnp.int8
+    engine = paxkv.Engine(lm, max_seqs=2, max_len=48, page_size=4, kv_dtype=dtype)
+    assert engine.cache.pool.k.dtype == stored
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11] * 20]  # 3 requests on 2 rows: one queues
     ids = [engine.submit(p, max_new_tokens=6, stop_token_ids=[]) for p in prompts]
     results = engine.run()
     assert [len(results[i].token_ids) for i in ids] == [6, 6, 6]
     engine.clear_prefix_cache()
     assert int(engine.cache.free_pages()) == engine.cache.num_pages, "a leaked page"
-    codes = 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim  # K and V, 1 byte each
-    scales = 2 * c.num_layers * c.num_kv_heads * 4 * 4  # one float32 each per token
-    assert engine.stats().kv_bytes_per_page == codes + scales
+    per_token = 2 * c.num_layers * c.num_kv_heads * (c.head_dim * value_bytes + scale_bytes)
+    assert engine.stats().kv_bytes_per_page == 4 * per_token
 
 
 @pytest.mark.slow

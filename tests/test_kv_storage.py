@@ -17,14 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import paxkv
 from paxkv import kv_storage
 from paxkv import dense_cache, paged_cache
 from paxkv import pool as kv_pool
 from paxkv.attention.plan import AttentionPlan
 from paxkv.step_info import StepInfo
 from tests.test_caches import _kv_buffers
-from tests.test_experiments import tiny_lm
 
 BF16, BITS = jnp.dtype(jnp.bfloat16), kv_storage.BFLOAT16_BITS
 attend_jit = jax.jit(lambda cache, q, k, v, step: cache.attend(0, q, k, v, step))
@@ -120,18 +118,3 @@ def test_pallas_kernels_refuse_a_bits_pool_by_name():
     q, k = jnp.zeros((2, 1, 2, 8)), jnp.zeros((2, 1, 2, 8))
     with pytest.raises(ValueError, match="attention_impl='xla'"):
         cache.attend(0, q, k, k, StepInfo.make(cache.lengths, jnp.array([1, 0]), 1))
-
-
-def test_an_engine_with_a_bfloat16_cache_holds_two_bytes_a_value_and_frees_every_page():
-    lm = tiny_lm()
-    c = lm.config
-    engine = paxkv.Engine(lm, max_seqs=2, max_len=48, page_size=4, kv_dtype=jnp.bfloat16)
-    assert engine.cache.pool.k.dtype == BITS
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11] * 20]  # 3 requests on 2 rows: one queues
-    ids = [engine.submit(p, max_new_tokens=6, stop_token_ids=[]) for p in prompts]
-    results = engine.run()
-    assert [len(results[i].token_ids) for i in ids] == [6, 6, 6]
-    engine.clear_prefix_cache()
-    assert int(engine.cache.free_pages()) == engine.cache.num_pages, "a leaked page"
-    values_per_page = 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim  # K and V
-    assert engine.stats().kv_bytes_per_page == 2 * values_per_page
