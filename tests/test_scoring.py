@@ -338,3 +338,14 @@ def test_readme_score_example_runs(lm):
     results = namespace["results"]
     assert len(results) == 3 and len(results[2].token_logprobs) > 1
     assert max(results, key=lambda r: r.logprob) is results[0]  # " honey"
+
+
+def test_an_int8_pool_counts_its_scales_in_the_kv_budget(tiny, monkeypatch):
+    """An int8 page holds codes and a float32 scale per (token, kv head): the default pool
+    fills the budget with whole pages, scales included (it overshot by the scales before)."""
+    budget = 256 << 10
+    monkeypatch.setattr(paxkv.scoring, "KV_BUDGET_BYTES", budget)
+    scorer = scorer_for(tiny, [((1,) * 190, (2, 3))], max_seqs=32, kv_dtype=jnp.int8)
+    pages = scorer.cache.num_pages
+    per_page = scorer.cache.pool.nbytes // (pages + 1)  # the pool holds a sentinel page too
+    assert pages * per_page <= budget < (pages + 1) * per_page

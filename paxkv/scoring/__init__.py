@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
-from paxkv import buckets
+from paxkv import buckets, quant
 from paxkv.scoring.requests import Pair, rolling_windows, token_pairs, truncate
 from paxkv.scoring.results import ScoreResult, ScoreStats
 from paxkv.scoring.scorer import Scorer
@@ -49,8 +49,9 @@ def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: b
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     longest = max((len(c) + len(x) - 1 for c, x in pairs), default=1)
     max_len = buckets.cdiv(buckets.pow2(longest, 128), page_size) * page_size
-    token_bytes = (2 * lm.num_layers * lm.num_kv_heads * lm.head_dim
-                   * jnp.dtype(kv_dtype).itemsize)
+    scale_bytes = 4 if quant.format_of(kv_dtype) else 0  # int8 / fp8: a float32 scale each
+    token_bytes = (2 * lm.num_layers * lm.num_kv_heads
+                   * (lm.head_dim * jnp.dtype(kv_dtype).itemsize + scale_bytes))
     row_pages = max_len // page_size
     budget_pages = KV_BUDGET_BYTES // (token_bytes * page_size)
     if cache == "dense":
