@@ -114,7 +114,10 @@ class Model(Protocol):
       params: a pytree, passed to ``forward`` traced (so one compiled step serves any values).
 
     Optional (used when present): ``encode(text) -> list[int]``, ``decode(ids) -> str`` (text
-    prompts and results) and ``eos_token_ids: tuple[int, ...]`` (the default stop tokens).
+    prompts and results), ``eos_token_ids: tuple[int, ...]`` (the default stop tokens), and a
+    keyword ``forward(..., all_logits=True)`` returning logits ``[b, t, vocab]`` at every
+    position: :mod:`paxkv.scoring` then scores a whole continuation per step (without it, one
+    token a step).
     """
 
     num_layers: int
