@@ -32,8 +32,8 @@ from paxkv.policy import Growth
 from paxkv.prefix_sharing import SharedPrefixes
 from paxkv.protocol import KVCache, check_model
 from paxkv.requests import GenerationResult, Request, RequestTable, StepOutput
-from paxkv.sampling import SamplingParams
 from paxkv.rows import RowState
+from paxkv.sampling import SamplingParams
 from paxkv.scheduler import Scheduler
 
 __all__ = ["Engine", "EngineStats", "GenerationResult", "SequenceStats", "StepOutput"]
