@@ -1,10 +1,12 @@
 """Paged decode kernel vs dense decode vs JAX's Triton paged attention, on one GPU.
 
 For each (batch, context, page_size) point: build one bf16 paged pool (Llama-3-8B-like heads,
-ragged lengths in [context/2, context]), check every implementation against the jnp oracle on
-the device (no speed figure for a wrong answer), then time it (warm-up, ``block_until_ready``,
-median of many). Bandwidth is the K/V bytes the sequences actually hold over the median time,
-also as a fraction of a measured device-to-device copy rate.
+ragged lengths in [context/2, context]) and its int8 twin (codes + per-token scales, quantised
+once, untimed), check every implementation against the jnp oracle on the device (the int8
+kernel against the oracle on the same codes and scales; no speed figure for a wrong answer),
+then time it (warm-up, ``block_until_ready``, median of many). Bandwidth is the K/V bytes the
+sequences actually hold (int8: codes plus float32 scales) over the median time, also as a
+fraction of a measured device-to-device copy rate.
 
     python -m experiments.kernels            # full sweep, < 10 min on an H200
     python -m experiments.kernels --quick    # two small points
@@ -32,6 +34,7 @@ import numpy as np
 from experiments.common import timed
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_decode_attention_reference
+from paxkv import quant
 from paxkv.attention.blocks import gather_pages
 
 FULL_SWEEP = (  # (batch, context, page_size): batch x context sweep, then page sizes
@@ -86,8 +89,15 @@ def dense_kv(pages, table):
     return g.transpose(0, 1, 3, 2, 4).reshape(b, m * s, h, d)
 
 
-def implementations(args, q, k_pages, v_pages, table, lengths, interpret):
-    """name -> zero-argument callable; each builds its inputs once, outside the timing."""
+def quantised(k_pages, v_pages):
+    """int8 ``(k_codes, v_codes, scales [pages, kv_heads, 2, page_size])`` of a pool."""
+    (kc, ks), (vc, vs) = (quant.quantise(x, quant.INT8) for x in (k_pages, v_pages))
+    return jax.block_until_ready((kc, vc, jnp.stack([ks, vs], axis=2)))
+
+
+def implementations(args, q, k_pages, v_pages, table, lengths, interpret, int8=None):
+    """name -> zero-argument callable; each builds its inputs once, outside the timing.
+    ``int8``: the pool's :func:`quantised` twin, timed as ``paxkv_paged_int8``."""
     scale = args.head_dim ** -0.5
     if args.tune:  # the paxkv kernel at each (pages_per_block, num_splits) that fits
         blocks = lambda ppb: -(-table.shape[1] // ppb)  # noqa: E731
@@ -97,6 +107,9 @@ def implementations(args, q, k_pages, v_pages, table, lengths, interpret):
                 for ppb, n in TUNE_GRID if n <= blocks(ppb)}
     impls = {"paxkv_paged": lambda: paged_decode_attention(q, k_pages, v_pages, table, lengths,
                                                             interpret=interpret)}
+    if int8 is not None:
+        impls["paxkv_paged_int8"] = lambda: paged_decode_attention(
+            q, *int8[:2], table, lengths, scales=int8[2], interpret=interpret)
     k, v = jax.block_until_ready((dense_kv(k_pages, table), dense_kv(v_pages, table)))
     xla = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
         q[:, None], k, v, scale=scale, key_value_seq_lengths=n)[:, 0])
@@ -130,11 +143,18 @@ def run_point(args, point, copy_bps, interpret):
     batch, context, page_size = point
     q, k_pages, v_pages, table, lengths = make_problem(args, batch, context, page_size)
     check = min(batch, 8)  # the oracle materialises scores: check a slice of the batch
-    ref = np.asarray(paged_decode_attention_reference(
-        q[:check], k_pages, v_pages, table[:check], lengths[:check]), np.float32)
-    kv_bytes = 2 * int(lengths.sum()) * args.num_kv_heads * args.head_dim * 2
+    int8 = None if args.tune else quantised(k_pages, v_pages)
+    pools = {"bf16": (k_pages, v_pages, None)} | ({} if int8 is None else {"int8": int8})
+    refs = {kind: np.asarray(paged_decode_attention_reference(
+        q[:check], k, v, table[:check], lengths[:check],
+        scales=s), np.float32) for kind, (k, v, s) in pools.items()}
+    tokens = 2 * int(lengths.sum()) * args.num_kv_heads  # K and V vectors held
+    kv_bytes = {"bf16": tokens * args.head_dim * 2, "int8": tokens * (args.head_dim + 4)}
     rows = []
-    for name, fn in implementations(args, q, k_pages, v_pages, table, lengths, interpret).items():
+    for name, fn in implementations(args, q, k_pages, v_pages, table, lengths, interpret,
+                                    int8).items():
+        kind = "int8" if name.endswith("_int8") else "bf16"
+        ref, nbytes = refs[kind], kv_bytes[kind]
         row = dict(batch=batch, context=context, page_size=page_size, impl=name, ok=False)
         try:
             out = np.asarray(fn()[:check], np.float32)
@@ -143,8 +163,8 @@ def run_point(args, point, copy_bps, interpret):
             row.update(max_rel_err=float(err.max()), ok=bool(err.max() < 2e-2))
             if row["ok"]:
                 sec = timed(fn, repeats=args.iters, warmup=3).median_s
-                row.update(median_ms=1e3 * sec, gbps=kv_bytes / sec / 1e9,
-                           frac_of_copy=kv_bytes / sec / copy_bps)
+                row.update(median_ms=1e3 * sec, gbps=nbytes / sec / 1e9,
+                           frac_of_copy=nbytes / sec / copy_bps)
         except Exception as e:  # noqa: BLE001 - one failing baseline must not end the sweep
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append(row)

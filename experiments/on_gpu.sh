@@ -3,7 +3,7 @@
 # kernel tests compiled for the device, the kernel sweep and the model's decode step in one go,
 # each stage under its own time limit, and leaves every log and JSON in one folder.
 #
-#   bash experiments/on_gpu.sh [OUT_DIR]      # default results/gpu; ~7 min on an H200
+#   bash experiments/on_gpu.sh [OUT_DIR]      # default results/gpu; ~8 min on an H200
 #   STAGES="kernels_tune gpu_model" bash experiments/on_gpu.sh   # some stages only
 #
 # Needs jax with CUDA, flax, numpy, pytest, hypothesis, gguf, tokenizers, jinja2 (no model file:
@@ -26,8 +26,9 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log to $out/NAME.
 }
 
 stage env 60 bash -c "nvidia-smi -L; $py -c 'import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())'; git rev-parse HEAD"
-stage kernel_tests 150 "$py" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_pallas_kernels.py
-stage kernels 200 "$py" -m experiments.kernels --out "$out/kernels.json"
+stage kernel_tests 200 "$py" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_pallas_kernels.py
+# kernels: bf16 and int8 (codes + scales) pools side by side at every point, page sizes 16-128
+stage kernels 240 "$py" -m experiments.kernels --out "$out/kernels.json"
 stage kernels_tune 150 "$py" -m experiments.kernels --tune --out "$out/kernels_tune.json"
 stage gpu_model 200 "$py" -m experiments.gpu_model
 cp results/gpu_model.json "$out/" 2>/dev/null

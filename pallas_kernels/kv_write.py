@@ -14,6 +14,12 @@ tokens and padding copy pairs point past the pool and cost nothing. ``write_kv``
 whole ``[num_layers, num_pages, ...]`` pool with ``layer=`` (read inside the kernel), so a model
 scanning over layers writes into the carried pool without slicing a layer out of it.
 
+Scaled 8-bit pools (int8 / fp8 codes with float32 scales) are not written here: one token's
+codes per kv head are ``head_dim`` bytes (64 at head_dim 64) and its scales 4 bytes, under the
+128 bytes every Mosaic GPU copy must move, so ``paxkv.paged_cache`` writes them with XLA's
+quantise-and-scatter (:func:`paxkv.pool.write`, in place when donated) and the attention
+kernels read what it leaves.
+
 Layers: kernel bodies -> call builders -> public jitted wrappers -> references (oracles).
 """
 
@@ -28,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _interpret
+from paxkv import quant
 from paxkv.kv_storage import to_storage
 
 # ---------------------------------------------------------------- layer 1: kernel bodies
@@ -103,6 +110,9 @@ def _validate_pages(k_pages, v_pages, *, pool: bool = False) -> None:
         raise ValueError(f"k_pages and v_pages must both be [{layers}num_pages, num_kv_heads,"
                          f" page_size, head_dim] of one dtype; got {k_pages.dtype}"
                          f"{list(k_pages.shape)} and {v_pages.dtype}{list(v_pages.shape)}")
+    if quant.is_scaled(k_pages.dtype):
+        raise ValueError(f"{k_pages.dtype} pages hold 8-bit codes with scales: write them with"
+                         " paxkv.pool.write (quantise + XLA scatter; module docstring)")
     if (k_pages.shape[-1] * k_pages.dtype.itemsize) % 128:
         raise ValueError(f"head_dim={k_pages.shape[-1]} rows must be a multiple of 128 bytes"
                          " (whole TMA rows): use head_dim 64 or 128")

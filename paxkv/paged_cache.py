@@ -22,7 +22,6 @@ from paxkv import pool as kv_pool
 from paxkv.attention import paged_xla
 from paxkv.attention.blocks import default_sm_scale
 from paxkv.attention.plan import NO_PLAN, AttentionPlan
-from paxkv import quant
 from paxkv.kv_storage import is_bits
 from paxkv.step_info import StepInfo
 
@@ -30,33 +29,14 @@ IMPLS = ("xla", "pallas")
 
 
 def resolve_impl(impl: str, dtype: jnp.dtype = jnp.float32) -> str:
-    """``"auto"`` -> the Pallas kernels on a GPU, the XLA path elsewhere and for scaled 8-bit
-    K/V (``dtype`` int8 / fp8, which the kernels do not read: :func:`check_pallas_dtype`);
-    checks the name."""
+    """``"auto"`` -> the Pallas kernels on a GPU, the XLA path elsewhere; checks the name.
+    ``dtype`` (the K/V dtype) does not change the choice: the kernels read every dtype a pool
+    stores on a GPU (floats; int8 and fp8 codes with their scales)."""
     if impl == "auto":
-        gpu = jax.default_backend() == "gpu"
-        return "pallas" if gpu and quant.format_of(dtype) is None else "xla"
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl not in IMPLS:
         raise ValueError(f"attention_impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
-    if impl == "pallas":
-        check_pallas_dtype(dtype)
     return impl
-
-
-def check_pallas_dtype(dtype: jnp.dtype) -> None:
-    """Raises for K/V the Pallas kernels cannot read, naming ``attention_impl='xla'``.
-
-    NOTE: the kernels move each (page, kv head) tile with TMA copies, whose rows must be whole
-    multiples of 128 bytes: an int8 row at head_dim 64 is 64 bytes, and a page's scales
-    (``page_size`` float32) 64 bytes at page 16. Reading int8 pages needs a paired-token page
-    layout (``[page_size / 2, 2 * head_dim]``) and scales padded to 128-byte rows; until the
-    kernels have one, int8 / fp8 K/V run on the XLA path.
-    """
-    if quant.format_of(dtype) is not None:
-        raise ValueError(
-            f"the Pallas kernels do not read {jnp.dtype(dtype)} K/V with scales: use "
-            "attention_impl='xla' (or 'auto') for int8 / float8_e4m3fn K/V, or a float dtype "
-            "with attention_impl='pallas'")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "table"],
@@ -179,11 +159,18 @@ class PagedCache:
 def _pallas_write(pool: kv_pool.KVPool, layer: jax.Array, k: jax.Array, v: jax.Array,
                   pages: jax.Array, offsets: jax.Array) -> kv_pool.KVPool:
     """Writes K/V ``[b, t, K, Dh]`` into their slots with the Pallas kernel (interpret mode off
-    GPU); padding slots go to the sentinel page and are skipped."""
+    GPU); padding slots go to the sentinel page and are skipped.
+
+    NOTE: a scaled 8-bit pool is written by XLA (:func:`paxkv.pool.write`: quantise, then a
+    scatter, in place with the pool donated): one token's codes per kv head are ``head_dim``
+    bytes (64 at head_dim 64) and its scales 4 bytes, under the 128 bytes every Mosaic GPU copy
+    must move, so a kernel could not write SmolLM2's 3 x 64-byte token rows. The attention
+    kernels read the pool this write leaves, bit-identical to the XLA path's.
+    """
     import pallas_kernels  # noqa: PLC0415 - the kernels load only when a cache uses them
 
     if pool.scales is not None:
-        check_pallas_dtype(quant.format_of_storage(pool.k.dtype).dtype)
+        return kv_pool.write(pool, layer, k, v, pages, offsets)
     if is_bits(pool.k):
         raise ValueError(
             "the Pallas kernels read typed pools; this pool stores bfloat16 K/V as bits (a CPU "
@@ -202,7 +189,8 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
     NOTE: every kernel gets the whole 5-D pool plus ``layer`` and indexes the layer itself:
     ``pool.k[layer]`` here would be a dynamic slice that XLA materialises to feed the custom
     call, a copy of one layer's K/V per layer per step. Rows that do not attend this step get
-    length 0, so a kernel never walks a table past the window it was given.
+    length 0, so a kernel never walks a table past the window it was given. 8-bit pools hand
+    their scales along; the kernels dequantise after the load.
     """
     import pallas_kernels  # noqa: PLC0415
 
@@ -210,11 +198,11 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
     lengths = jnp.where(step.query_lengths > 0, step.lengths, 0)
     if q.shape[1] == 1:
         return pallas_kernels.paged_decode_attention(
-            q[:, 0], pool.k, pool.v, block_tables, lengths, layer=layer, interpret=interpret,
-            **scores)[:, None]
+            q[:, 0], pool.k, pool.v, block_tables, lengths, scales=pool.scales, layer=layer,
+            interpret=interpret, **scores)[:, None]
     return pallas_kernels.paged_prefill_attention(
-        q, pool.k, pool.v, block_tables, lengths, step.query_lengths, layer=layer,
-        interpret=interpret, **scores)
+        q, pool.k, pool.v, block_tables, lengths, step.query_lengths, scales=pool.scales,
+        layer=layer, interpret=interpret, **scores)
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
@@ -224,7 +212,7 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
     sequences of at most ``max_len`` tokens each, K/V in ``dtype`` (bfloat16 on a CPU is
     stored as bits: :mod:`paxkv.kv_storage`; ``jnp.int8`` / ``jnp.float8_e4m3fn`` as 8-bit
     codes with per-token scales: :mod:`paxkv.quant`). ``attention_impl``: "auto" (the Pallas
-    kernels on a GPU for float K/V, XLA elsewhere), "pallas" or "xla"."""
+    kernels on a GPU, XLA elsewhere), "pallas" or "xla"."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if max_len < 1:

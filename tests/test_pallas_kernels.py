@@ -12,6 +12,7 @@ on NaN-poisoned pools.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _interpret
+from paxkv import paged_cache, quant
+from paxkv.step_info import StepInfo
 from pallas_kernels.kv_write import (copy_pages, copy_pages_reference, write_kv,
                                      write_kv_reference)
 from pallas_kernels.paged_decode import paged_decode_attention
@@ -45,10 +48,12 @@ class Case:
     num_kv_heads: int = 1
     kwargs: tuple = ()  # static kernel arguments
     clean_run: bool = False  # also run on the clean pool: poisoned output must be identical
+    codes: str | None = None  # "int8" / "fp8": 8-bit pages with scales; dtype is then q's
 
     def __str__(self):
-        return f"g{self.group}-d{self.head_dim}-{self.dtype}-ps{self.page_size}-" + "-".join(
-            f"{k}{v}" for k, v in self.kwargs)
+        codes = f"{self.codes}-" if self.codes else ""
+        return f"{codes}g{self.group}-d{self.head_dim}-{self.dtype}-ps{self.page_size}-" + (
+            "-".join(f"{k}{v}" for k, v in self.kwargs))
 
 
 def edge_lengths(page_size: int, long: int) -> list[int]:
@@ -201,15 +206,203 @@ def test_prefill_reads_its_layer_of_the_pool():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the race detector is the CPU interpreter's")
-def test_double_buffering_has_no_races():
-    """The interpreter's race detector sees every TMA write ordered before the reads."""
-    case = Case(2, 64, "bfloat16")
-    clean, _, table, lengths = make_pool(4, case, [128, 70])
+@pytest.mark.parametrize("codes", [None, "int8"])
+def test_double_buffering_has_no_races(codes):
+    """The interpreter's race detector sees every TMA write (scales included) ordered before
+    the reads."""
+    case = Case(2, 64, "bfloat16", codes=codes)
+    pool = make_scaled_pool if codes else make_pool
+    clean, _, table, lengths = pool(4, case, [128, 70])
     q = jax.random.normal(jax.random.key(5), (2, 2, 64), jnp.bfloat16)
+    scales = dict(scales=clean[2]) if codes else {}
     params = _interpret.InterpretGPUParams(detect_races=True)
-    out = paged_decode_attention(q, *clean, table, lengths, num_splits=1, interpret=params)
+    out = paged_decode_attention(q, *clean[:2], table, lengths, num_splits=1, interpret=params,
+                                 **scales)
     out.block_until_ready()
     assert not _interpret.races_found()
+
+
+# ---------------------------------------------------------------- 8-bit pages with scales
+
+FORMATS = {"int8": quant.INT8, "fp8": quant.FLOAT8}
+
+
+def make_scaled_pool(seed, case: Case, lengths, *, shared_pages: int = 1):
+    """:func:`make_pool` quantised: ``(clean, poisoned, table, lengths)`` with clean and
+    poisoned ``(k_codes, v_codes, scales)``, scales ``[num_pages, kv_heads, 2, page_size]``.
+    Every slot no sequence can see holds codes ``quantise`` never writes and a NaN scale in
+    the poisoned pool (fp8's garbage code is itself NaN)."""
+    fmt = FORMATS[case.codes]
+    floats = dataclasses.replace(case, dtype="float32", codes=None)
+    (k, v), (k_nan, _), table, lengths = make_pool(seed, floats, lengths,
+                                                   shared_pages=shared_pages)
+    (k_codes, k_scale), (v_codes, v_scale) = quant.quantise(k, fmt), quant.quantise(v, fmt)
+    scales = jnp.stack([k_scale, v_scale], axis=2)  # [pages, kv_heads, 2, page_size]
+    dead = jnp.isnan(k_nan[..., 0])  # [pages, kv_heads, page_size]
+    poisoned = (jnp.where(dead[..., None], jnp.asarray(fmt.garbage, fmt.storage), k_codes),
+                jnp.where(dead[..., None], jnp.asarray(fmt.garbage, fmt.storage), v_codes),
+                jnp.where(dead[:, :, None], jnp.nan, scales))
+    return (k_codes, v_codes, scales), poisoned, table, lengths
+
+
+def dequantised(codes_pool):
+    """``(k, v, scales)`` -> float32 ``(k, v)`` holding what the codes stand for."""
+    k, v, scales = codes_pool
+    return quant.dequantise(k, scales[:, :, 0]), quant.dequantise(v, scales[:, :, 1])
+
+
+SCALED_DECODE_CASES = [  # paired scale copies at page 16, split ones at 32 and 64
+    Case(4, 64, "float32", page_size=16, num_kv_heads=2, kwargs=(("num_splits", 1),),
+         clean_run=True, codes="int8"),
+    Case(1, 128, "bfloat16", page_size=64, kwargs=(("num_splits", 2),), codes="int8"),
+    Case(2, 64, "float32", page_size=32, kwargs=(("logit_soft_cap", 4.0),), codes="fp8"),
+]
+
+
+@pytest.mark.parametrize("case", SCALED_DECODE_CASES, ids=str)
+def test_scaled_decode_matches_reference(case):
+    clean, poisoned, table, lengths = make_scaled_pool(
+        20, case, edge_lengths(case.page_size, 2 * 64 + 5))
+    q = jax.random.normal(jax.random.key(21), (len(lengths), case.num_kv_heads * case.group,
+                                               case.head_dim), case.dtype)
+    kw = dict(case.kwargs)
+    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "logit_soft_cap")}
+    out = paged_decode_attention(q, *poisoned[:2], table, lengths, scales=poisoned[2],
+                                 interpret=INTERPRET, **kw)
+    ref = paged_decode_attention_reference(q, *clean[:2], table, lengths, scales=clean[2],
+                                           **ref_kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if case.clean_run:
+        out_clean = paged_decode_attention(q, *clean[:2], table, lengths, scales=clean[2],
+                                           interpret=INTERPRET, **kw)
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(out_clean, np.float32))
+    assert not np.asarray(out[0]).any(), "a length-0 row must be exactly zero"
+    assert_rows_close(out, ref, case.dtype, row_axes=(0, 1))
+
+
+SCALED_PREFILL_CASES = [
+    Case(3, 64, "bfloat16", num_kv_heads=2, kwargs=(("block_q", 4),), codes="int8"),
+    Case(1, 128, "float32", page_size=64, codes="int8"),
+]
+
+
+@pytest.mark.parametrize("case", SCALED_PREFILL_CASES, ids=str)
+def test_scaled_prefill_matches_reference(case):
+    s = case.page_size
+    lengths = [0, 1, s - 1, s, s + 9, 2 * 64 + 5]
+    query_lengths = jnp.asarray([0, 1, s - 1, 5, 12, 1], jnp.int32)
+    clean, poisoned, table, lengths = make_scaled_pool(22, case, lengths, shared_pages=0)
+    q = jax.random.normal(jax.random.key(23), (len(lengths), int(query_lengths.max()) + 1,
+                                               case.num_kv_heads * case.group, case.head_dim),
+                          case.dtype)
+    args = (table, lengths, query_lengths)
+    out = paged_prefill_attention(q, *poisoned[:2], *args, scales=poisoned[2],
+                                  interpret=INTERPRET, **dict(case.kwargs))
+    ref = paged_prefill_attention_reference(q, *clean[:2], *args, scales=clean[2])
+    assert out.shape == q.shape and out.dtype == q.dtype
+    t = np.arange(q.shape[1])[None, :]
+    assert not np.asarray(out)[t >= np.asarray(query_lengths)[:, None]].any()
+    assert_rows_close(out, ref, case.dtype, row_axes=(0, 1, 2))
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_int8_kernel_equals_the_float32_kernel_on_the_dequantised_pool(kernel):
+    """Dequantising after the load (scores x K scale, weights x V scale) gives what the float
+    kernel gives on a float32 pool of the dequantised values, NaN-poisoned slots included."""
+    case = Case(2, 64, "float32", page_size=16, num_kv_heads=2, codes="int8")
+    lengths = [0, 3, 16, 17, 40, 100]
+    _, poisoned, table, lengths = make_scaled_pool(24, case, lengths)
+    floats = dequantised(poisoned)  # NaN wherever a scale is
+    if kernel == "decode":
+        q = jax.random.normal(jax.random.key(25), (6, 4, 64), jnp.float32)
+        run = functools.partial(paged_decode_attention, q, block_tables=table, lengths=lengths,
+                                num_splits=2, interpret=INTERPRET)
+        rows = (0, 1)
+    else:
+        q = jax.random.normal(jax.random.key(25), (6, 5, 4, 64), jnp.float32)
+        run = functools.partial(paged_prefill_attention, q, block_tables=table,
+                                lengths=lengths, interpret=INTERPRET,
+                                query_lengths=jnp.minimum(lengths, 5))
+        rows = (0, 1, 2)
+    out = run(k_pages=poisoned[0], v_pages=poisoned[1], scales=poisoned[2])
+    want = run(k_pages=floats[0], v_pages=floats[1])
+    np.testing.assert_array_equal(np.asarray(out) == 0, np.asarray(want) == 0)
+    assert_rows_close(out, want, jnp.float32, row_axes=rows)
+
+
+def test_int8_paged_cache_on_the_kernels_equals_the_xla_path():
+    """``attention_impl='pallas'`` with an int8 pool, through ``PagedCache.attend`` on layer 1
+    of 2: ragged prefill (paired scale copies, page 16), a fork, decode over the shared pages.
+    Same outputs as the XLA path, and the pool (codes, scales, NaN garbage) bit-identical."""
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=64, num_pages=12, page_size=16,
+                 max_seqs=3, max_len=64, dtype=jnp.int8, fill=float("nan"), scrub=False)
+    caches = [paged_cache.create(attention_impl=impl, **shape) for impl in ("pallas", "xla")]
+    attend = jax.jit(lambda c, q, k, v, step: c.attend(1, q, k, v, step))
+    rng = np.random.default_rng(26)
+    for spec in (([20, 0, 5], 20), "fork", ([1, 1, 1], 1)):
+        if spec == "fork":  # row 1 shares row 0's pages from here on
+            forked = [c.fork(jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32)) for c in caches]
+            assert all(bool(ok.all()) for _, ok in forked)
+            caches = [c for c, _ in forked]
+            continue
+        num_new, width = jnp.asarray(spec[0], jnp.int32), spec[1]
+        reserved = [c.reserve(num_new, max_new=width) for c in caches]
+        assert all(bool(ok.all()) for _, ok in reserved)
+        caches = [c for c, _ in reserved]
+        step = StepInfo.make(caches[0].lengths, num_new, width)
+        q, k, v = (jnp.asarray(3 * rng.standard_normal((3, width, h, 64)), jnp.float32)
+                   for h in (6, 2, 2))
+        outs = []
+        for i, c in enumerate(caches):
+            caches[i], out = attend(c, q, k, v, step)
+            outs.append(np.asarray(out))
+        assert np.isfinite(outs[0]).all()
+        np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        for a, b in zip(caches[0].pool.arrays(), caches[1].pool.arrays()):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # NaN == NaN here
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 48, 64, 128])
+def test_every_copy_of_an_8bit_block_is_whole_128_byte_units_at_128_byte_offsets(page_size):
+    """What lowering on CPU cannot see: every TMA copy moves a multiple of 128 bytes (Mosaic
+    GPU's rule) into SMEM at a 128-byte-aligned offset, for both SMEM slots, and each row's K
+    and V scale windows stay inside its slot."""
+    from pallas_kernels._tiles import KVTiles, default_pages_per_block
+    for head_dim in (64, 128):
+        ppb = default_pages_per_block(page_size, scaled=True)
+        tiles = KVTiles(1, 8, 8, page_size, ppb, head_dim, jnp.dtype(jnp.int8), scaled=True)
+        assert tiles.block_rows % 64 == 0 and tiles.block_tokens == ppb * page_size
+        for slot in range(2):
+            for i in range(ppb):
+                code_offset = (slot * tiles.block_rows + i * tiles.slot_rows) * head_dim
+                assert code_offset % 128 == 0 and (page_size * head_dim) % 128 == 0
+                for _, dst, n in tiles.scale_copies(i):
+                    assert (4 * (slot * tiles.scale_slot_len + dst)) % 128 == 0
+                    assert (4 * n) % 128 == 0
+        assert tiles.v_scale_offset + tiles.block_rows <= tiles.scale_slot_len
+        assert tiles.copies_per_page == (3 if page_size % 32 else 4)
+
+
+def test_scaled_validation_names_the_fix():
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    codes = jnp.zeros((8, 2, 16, 64), jnp.int8)
+    scales = jnp.zeros((8, 2, 2, 16), jnp.float32)
+    table, lengths = jnp.zeros((2, 4), jnp.int32), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="pass them with their scales="):
+        paged_decode_attention(q, codes, codes, table, lengths)
+    with pytest.raises(ValueError, match="pass scales=None"):
+        paged_decode_attention(q, codes.astype(q.dtype), codes.astype(q.dtype), table, lengths,
+                               scales=scales)
+    with pytest.raises(ValueError, match="scales must be float32"):
+        paged_decode_attention(q, codes, codes, table, lengths, scales=scales[:, :, :1])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        paged_decode_attention(q, codes[:, :, :8], codes[:, :, :8], table, lengths,
+                               scales=scales[..., :8])
+    with pytest.raises(ValueError, match="a float dtype"):
+        paged_decode_attention(q.astype(jnp.int8), codes, codes, table, lengths, scales=scales)
+    with pytest.raises(ValueError, match="paxkv.pool.write"):
+        write_kv(codes, codes, q[:, None, :2], q[:, None, :2], table[:, :1], table[:, :1])
 
 
 # ---------------------------------------------------------------- KV writes and page copies
@@ -321,19 +514,28 @@ def _shapes(*xs):
     return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
 
 
-def _lower_decode(dtype, group, head_dim, page_size, **kw):
+def _pages(dtype, head_dim, page_size, codes):
+    """Page shapes (and scales) for a lowering: ``codes`` None, "int8" or "fp8"."""
+    storage = dtype if codes is None else FORMATS[codes].storage
+    pages = jax.ShapeDtypeStruct((64, 2, page_size, head_dim), storage)
+    if codes is None:
+        return pages, {}
+    return pages, dict(scales=jax.ShapeDtypeStruct((64, 2, 2, page_size), jnp.float32))
+
+
+def _lower_decode(dtype, group, head_dim, page_size, codes=None, **kw):
     q = jnp.zeros((4, 2 * group, head_dim), dtype)
-    pages = jnp.zeros((64, 2, page_size, head_dim), dtype)
-    args = _shapes(q, pages, pages, jnp.zeros((4, 16), jnp.int32), jnp.zeros((4,), jnp.int32))
-    return paged_decode_attention.trace(*args, **kw)
+    pages, scales = _pages(dtype, head_dim, page_size, codes)
+    args = _shapes(q, jnp.zeros((4, 16), jnp.int32), jnp.zeros((4,), jnp.int32))
+    return paged_decode_attention.trace(args[0], pages, pages, *args[1:], **scales, **kw)
 
 
-def _lower_prefill(dtype, group, head_dim, page_size, **kw):
+def _lower_prefill(dtype, group, head_dim, page_size, codes=None, **kw):
     q = jnp.zeros((4, 32, 2 * group, head_dim), dtype)
-    pages = jnp.zeros((64, 2, page_size, head_dim), dtype)
+    pages, scales = _pages(dtype, head_dim, page_size, codes)
     lengths = jnp.zeros((4,), jnp.int32)
-    args = _shapes(q, pages, pages, jnp.zeros((4, 16), jnp.int32), lengths, lengths)
-    return paged_prefill_attention.trace(*args, **kw)
+    args = _shapes(q, jnp.zeros((4, 16), jnp.int32), lengths, lengths)
+    return paged_prefill_attention.trace(args[0], pages, pages, *args[1:], **scales, **kw)
 
 
 def _lower_kv(fn):
@@ -353,6 +555,14 @@ LOWERINGS = {
     "decode-f16-g1-d128-ps128": lambda: _lower_decode(jnp.float16, 1, 128, 128),
     "prefill-bf16-g4-d128-ps16": lambda: _lower_prefill(jnp.bfloat16, 4, 128, 16),
     "prefill-f32-g1-d64-ps32": lambda: _lower_prefill(jnp.float32, 1, 64, 32),
+    # 8-bit pages: paired scale copies (page 16, 48), split ones (page 32, 64); q bf16 / f32
+    "decode-int8-g8-d128-ps16": lambda: _lower_decode(jnp.bfloat16, 8, 128, 16, "int8"),
+    "decode-int8-g3-d64-ps64-softcap": lambda: _lower_decode(jnp.float32, 3, 64, 64, "int8",
+                                                             logit_soft_cap=30.0),
+    "decode-fp8-g4-d64-ps32": lambda: _lower_decode(jnp.bfloat16, 4, 64, 32, "fp8"),
+    "prefill-int8-g4-d64-ps16": lambda: _lower_prefill(jnp.bfloat16, 4, 64, 16, "int8"),
+    "prefill-int8-g1-d128-ps48": lambda: _lower_prefill(jnp.float32, 1, 128, 48, "int8"),
+    "prefill-fp8-g2-d128-ps64": lambda: _lower_prefill(jnp.bfloat16, 2, 128, 64, "fp8"),
     "write_kv": lambda: _lower_kv("write"),
     "copy_pages": lambda: _lower_kv("copy"),
 }
@@ -375,7 +585,7 @@ def test_lowers_for_cuda(name):
 
 POOL = jax.ShapeDtypeStruct((4, 64, 2, 16, 64), jnp.bfloat16)  # [layers, pages, kvh, ps, d]
 LAYER = jax.ShapeDtypeStruct((), jnp.int32)
-_MLIR_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+_MLIR_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int8": "i8"}
 
 
 def mlir_type(x) -> str:
@@ -433,6 +643,27 @@ def test_whole_pool_feeds_the_custom_call_unsliced(name):
             lowering_platforms=("cuda",)).as_text()
         assert len(pool_slices(sliced, POOL)) == 2
 
+
+
+@pytest.mark.parametrize("kernel", [paged_decode_attention, paged_prefill_attention],
+                         ids=["decode", "prefill"])
+def test_int8_pool_and_scales_feed_the_custom_call_unsliced(kernel):
+    """An int8 pool and its scales reach the custom call whole: the scales only reshaped
+    (``[..., 2, page_size]`` -> ``[..., 2 * page_size]``, a bitcast), nothing sliced."""
+    pool = jax.ShapeDtypeStruct(POOL.shape, jnp.int8)
+    scales = jax.ShapeDtypeStruct((4, 64, 2, 2, 16), jnp.float32)
+    flat_scales = jax.ShapeDtypeStruct((4, 64, 2, 32), jnp.float32)
+    table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+    q, extra = ((4, 6, 64), ()) if kernel is paged_decode_attention else ((4, 32, 6, 64),
+                                                                          (lengths,))
+    q = jax.ShapeDtypeStruct(q, jnp.bfloat16)
+    hlo = kernel.trace(q, pool, pool, table, lengths, *extra, scales=scales,
+                       layer=LAYER).lower(lowering_platforms=("cuda",)).as_text()
+    operands = custom_call_operands(hlo)
+    assert len(operands) == 1 and operands[0].count(mlir_type(pool)) == 2, operands
+    assert mlir_type(flat_scales) in operands[0], operands
+    assert not pool_slices(hlo, pool) and not pool_slices(hlo, scales)
 
 
 def test_auto_num_splits_fills_the_gpu_without_tiny_splits():

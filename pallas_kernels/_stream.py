@@ -1,0 +1,143 @@
+"""The in-kernel steps of the paged K/V stream: fetch a block's pages (and scales) into SMEM,
+load it into registers (dequantising 8-bit codes), run one row's online-softmax step.
+
+Geometry, SMEM layout and the trace-time checks are in ``_tiles.py``; the kernels call these
+from their bodies, so everything here runs inside a Mosaic GPU kernel (or its interpreter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _interpret
+from pallas_kernels._tiles import KVTiles
+from paxkv import quant
+
+_DEAD_POSITION = 2**30  # key position of a dead SMEM row: never visible, never live
+
+
+@dataclasses.dataclass(frozen=True)
+class KVStream:
+    """One program's refs of the stream: GMEM pools and table, SMEM buffers, barriers."""
+
+    k: Any  # [layers, num_pages, kv_heads, page_size, head_dim] GMEM
+    v: Any
+    scales: Any  # f32 [layers, num_pages, kv_heads, 2 * page_size] GMEM (K | V), or None
+    block_tables: Any  # int32 [batch, max_pages] GMEM
+    k_smem: Any  # [2, block_rows, head_dim] (tiled, swizzled)
+    v_smem: Any
+    s_smem: Any  # f32 [2, scale_slot_len], or None
+    bars: Any  # 2 barriers, copies_per_page * pages_per_block arrivals each
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One block in registers. k, v: ``[block_rows, head_dim]`` storage values (fp8 widened
+    to float32), V zeroed at dead rows; kpos: int32 ``[block_rows]`` key positions (dead padding
+    rows: never visible); k_mult: f32 ``[block_rows]`` K scale x sm_scale, v_mult: V scale
+    (zero at dead rows), both None for float pages."""
+
+    k: jax.Array
+    v: jax.Array
+    kpos: jax.Array
+    k_mult: jax.Array | None = None
+    v_mult: jax.Array | None = None
+
+
+def read_layer(tiles: KVTiles, layer_ref):
+    """The layer to read, clipped so that no DMA ever leaves the pool."""
+    return jnp.clip(layer_ref[0], 0, tiles.num_layers - 1)
+
+
+def fetch_block(tiles: KVTiles, st: KVStream, layer, b, h, block, live_pages, slot) -> None:
+    """Starts the TMA copies of block ``block`` of ``layer`` into ``slot``; pages past
+    ``live_pages`` are not read (their share of the barrier is arrived without data)."""
+    s, w = tiles.page_size, tiles.slot_rows
+    for i in range(tiles.pages_per_block):
+        j = block * tiles.pages_per_block + i
+
+        @pl.when(j < live_pages)
+        def _copy():
+            page = jnp.clip(st.block_tables[b, j], 0, tiles.num_pages - 1)  # stay in the pool
+            dst = pl.ds(i * w, s)
+            bar = st.bars.at[slot]
+            plgpu.copy_gmem_to_smem(st.k.at[layer, page, h], st.k_smem.at[slot, dst], bar)
+            plgpu.copy_gmem_to_smem(st.v.at[layer, page, h], st.v_smem.at[slot, dst], bar)
+            for src, dst_off, n in tiles.scale_copies(i):
+                plgpu.copy_gmem_to_smem(st.scales.at[layer, page, h, pl.ds(src, n)],
+                                        st.s_smem.at[slot, pl.ds(dst_off, n)], bar)
+
+        @pl.when(j >= live_pages)
+        def _skip():
+            for _ in range(tiles.copies_per_page):
+                plgpu.barrier_arrive(st.bars.at[slot])
+
+
+def key_positions(tiles: KVTiles, rows, kpos0):
+    """int32 key position of each SMEM row index in ``rows`` (any shape) of a block starting at
+    ``kpos0``; dead rows between pages get a position no query sees and no length reaches."""
+    if tiles.slot_rows == tiles.page_size:
+        return rows + kpos0
+    in_page = lax.rem(rows, tiles.slot_rows)
+    pos = kpos0 + lax.div(rows, tiles.slot_rows) * tiles.page_size + in_page
+    return jnp.where(in_page < tiles.page_size, pos, _DEAD_POSITION)
+
+
+def load_block(tiles: KVTiles, lay: _interpret.Layouts, st: KVStream, slot, kpos0, length,
+               sm_scale: float) -> Block:
+    """Block ``slot`` (first key at position ``kpos0``) into registers; see :class:`Block`.
+    NOTE: V and its scales are zeroed with ``where``: p == 0 times NaN would still be NaN.
+    int8 codes are always finite, so there only the V scales need it."""
+    t, d = tiles.block_rows, tiles.head_dim
+    k, v = st.k_smem[slot], st.v_smem[slot]
+    if tiles.dtype == quant.FP8_BITS:  # Mosaic GPU computes on no 8-bit float: widen first
+        k, v = (lax.bitcast_convert_type(x, quant.FP8).astype(jnp.float32) for x in (k, v))
+    kpos = key_positions(tiles, lay.iota((t,), 0, lay.row), kpos0)
+    if tiles.dtype != jnp.int8:
+        live_tile = key_positions(tiles, lay.iota((t, d), 0, lay.tile), kpos0) < length
+        v = jnp.where(live_tile, v, jnp.zeros((), v.dtype))
+    if not tiles.scaled:
+        return Block(k, v, kpos)
+    k_scale = lay.load(st.s_smem, (slot, pl.ds(0, t)), lay.row)
+    v_scale = lay.load(st.s_smem, (slot, pl.ds(tiles.v_scale_offset, t)), lay.row)
+    k_mult = k_scale * sm_scale
+    v_mult = jnp.where(kpos < length, v_scale, 0.0)
+    return Block(k, v, kpos, k_mult, v_mult)
+
+
+def softmax_update(lay, q_smem, blk: Block, visible, m_prev, l_prev, acc_ref, r, *, sm_scale,
+                   soft_cap):
+    """Row ``r``'s online-softmax step over one block; returns the new (max, sum).
+
+    q_smem: ``[rows, head_dim]``; blk: :class:`Block`; visible: bool ``[block_rows]``; m_prev,
+    l_prev: f32 scalars; acc_ref: f32 ``[rows, head_dim]`` SMEM, row ``r`` updated in place.
+    The caller guarantees ``visible`` has at least one True, so the new max is finite.
+    """
+    t, d = blk.k.shape
+    q = lay.load(q_smem, r, lay.col).astype(jnp.float32)
+    s = jnp.sum(blk.k.astype(jnp.float32) * lax.broadcast_in_dim(q, (t, d), [1]), axis=1)
+    s = s * (sm_scale if blk.k_mult is None else blk.k_mult)
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m_prev, jnp.max(s))
+    alpha = jnp.exp(m_prev - m_new)  # exp(-inf) = 0 on the first visible block
+    p = jnp.exp(s - m_new)
+    pw = p if blk.v_mult is None else p * blk.v_mult
+    pv = jnp.sum(lax.broadcast_in_dim(pw, (t, d), [0]) * blk.v.astype(jnp.float32), axis=0)
+    acc_ref[r] = lay.load(acc_ref, r, lay.col) * alpha + pv
+    return m_new, l_prev * alpha + jnp.sum(p)
+
+
+def zero_rows(lay, acc_ref, lo, hi, head_dim: int) -> None:
+    """acc rows ``[lo, hi)`` <- 0."""
+    @pl.loop(lo, hi)
+    def _zero(r):
+        acc_ref[r] = lay.cast(jnp.zeros((head_dim,), jnp.float32), lay.col)
