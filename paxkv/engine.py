@@ -28,7 +28,7 @@ from paxkv import accounting
 from paxkv.accounting import Counters, EngineStats, SequenceStats
 from paxkv.cache_ops import CacheOps, build_cache
 from paxkv.lifecycle import Lifecycle
-from paxkv.policy import Growth
+from paxkv.policy import Growth, Shapes
 from paxkv.prefix_sharing import SharedPrefixes
 from paxkv.protocol import KVCache, check_model
 from paxkv.requests import GenerationResult, Request, RequestTable, StepOutput
@@ -58,13 +58,17 @@ class Engine:
         :meth:`clear_prefix_cache`.
       growth: how admission projects the running requests' growth
         (:class:`paxkv.policy.Growth`; ``Growth(start=0, floor=0)`` admits whatever fits now).
+      shapes: which prefill shapes compile (:class:`paxkv.policy.Shapes`: a call runs padded
+        in a compiled wider shape until the padding has cost ``buy`` tokens, default
+        ``prefill_tokens // 2``; ``Shapes(buy=0)`` compiles every call's own shape).
     """
 
     def __init__(self, model: Any, *, cache: str | KVCache = "paged", max_seqs: int = 32,
                  max_len: int = 2048, page_size: int = 16, num_pages: int | None = None,
                  kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
                  prefill_chunk: int = 512, prefill_tokens: int = 4096, scrub: bool = True,
-                 prefix_cache: bool | None = None, growth: Growth | None = None):
+                 prefix_cache: bool | None = None, growth: Growth | None = None,
+                 shapes: Shapes | None = None):
         check_model(model)
         kv = build_cache(model, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
                          num_pages=num_pages, kv_dtype=kv_dtype,
@@ -80,7 +84,7 @@ class Engine:
         self.lifecycle = Lifecycle(model, self.table, RowState(self.table), self.ops,
                                    self.prefixes, self.counters, growth or Growth())
         self.scheduler = Scheduler(self.lifecycle, prefill_chunk=prefill_chunk,
-                                   prefill_tokens=prefill_tokens)
+                                   prefill_tokens=prefill_tokens, shapes=shapes)
 
     @property
     def cache(self) -> Any:

@@ -11,6 +11,7 @@ import math
 from typing import Sequence
 
 from paxkv import buckets
+from paxkv.attention.plan import AttentionPlan
 from paxkv.requests import Request
 
 
@@ -96,3 +97,54 @@ def preemption_victim(running: Sequence[Request], page_size: int, cached: bool) 
         n = len(r.tokens)
         return (n % page_size if cached else n), -r.admitted_at, -r.row
     return min(running, key=cost)
+
+
+@dataclasses.dataclass
+class Shapes:
+    """Which prefill shapes have compiled, and when a call runs in a wider one: ski rental.
+
+    Every new ``(rows, width)`` of a prefill call compiles a step of its own, which on a CPU
+    costs about what one full prefill call does (3-5 s for SmolLM2-135M; the offline workload's
+    first pass spent 27 s of its 213 s compiling six step variants). So a call that a compiled
+    shape can hold, at most ``rows`` rows of at most ``width`` tokens, runs there, padded,
+    until the padding paid in place of its own shape passes ``buy`` tokens; then its own shape
+    compiles. That is the ski-rental rule: it never pays more than twice the better of "always
+    compile" and "always pad" in hindsight, and a workload of a few calls compiles a few shapes
+    where fine buckets would compile one per length class. ``buy=0`` compiles every tight shape.
+    """
+
+    buy: int = 4096
+    owned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    rent: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    plans: dict[tuple[int, int], list[AttentionPlan]] = dataclasses.field(default_factory=dict)
+
+    def choose(self, rows: int, width: int, max_rows: int) -> tuple[int, int]:
+        """``(b, t)`` for a call of ``rows`` requests of at most ``width`` tokens each: the
+        tight shape ``(pow2(rows), width)`` (``b`` at most ``max_rows``), or a compiled one
+        with ``t >= width`` while the rent allows (``b < rows`` then runs only ``b`` of the
+        requests now)."""
+        tight = (buckets.pow2(rows, 1, max_rows), width)
+        if tight in self.owned or not self.owned:
+            self.owned.add(tight)
+            return tight
+        options = [(b * t - buckets.pow2(min(rows, b)) * width, (b, t))
+                   for b, t in self.owned if t >= width]
+        if options:
+            extra, shape = min(options)
+            paid = self.rent.get(tight, 0) + extra
+            if paid <= self.buy:
+                self.rent[tight] = paid
+                return shape
+        self.owned.add(tight)
+        return tight
+
+    def plan(self, shape: tuple[int, int], plan: AttentionPlan) -> AttentionPlan:
+        """A plan already compiled at ``shape`` that covers ``plan``
+        (:meth:`~paxkv.attention.plan.AttentionPlan.covers`: a longer window, say), else
+        ``plan`` itself, from now on compiled there."""
+        compiled = self.plans.setdefault(shape, [])
+        for p in compiled:
+            if p.covers(plan):
+                return p
+        compiled.append(plan)
+        return plan

@@ -125,3 +125,33 @@ def test_the_request_table_hands_out_done_requests_once():
     assert table.done() == [b]
     table.drop(b)
     assert not table.requests  # samples leave with it
+
+
+def test_prefill_shapes_rent_a_compiled_wider_shape_until_the_padding_costs_a_compile():
+    shapes = policy.Shapes(buy=4096)
+    assert shapes.choose(8, 512, 32) == (8, 512)  # the first call compiles its own shape
+    # 8 rows of <= 384 tokens run in the 8 x 512 step: 8 x 128 padded tokens of rent.
+    assert shapes.choose(8, 384, 32) == (8, 512) and shapes.rent[(8, 384)] == 1024
+    # 16 rows of <= 192 run 8 at a time in it (8 x 320 each) until the rent passes 4,096.
+    assert shapes.choose(16, 192, 32) == (8, 512) and shapes.rent[(16, 192)] == 2560
+    assert shapes.choose(16, 192, 32) == (16, 192)  # 5,120 > 4,096: now it compiles
+    assert shapes.choose(16, 192, 32) == (16, 192) and shapes.choose(3, 96, 32) == (16, 192)
+    assert shapes.owned == {(8, 512), (16, 192)}
+    # buy=0 compiles every call's own shape (the fine buckets alone); rows cap at max_rows.
+    tight = policy.Shapes(buy=0)
+    assert [tight.choose(r, w, 24) for r, w in ((8, 512), (8, 384), (20, 64))] == [
+        (8, 512), (8, 384), (24, 64)]
+
+
+def test_a_compiled_plan_is_reused_where_it_covers_the_calls_plan():
+    wide, narrow = AttentionPlan(window=512), AttentionPlan(window=384)
+    assert wide.covers(narrow) and not narrow.covers(wide)
+    assert AttentionPlan().covers(wide) and not wide.covers(AttentionPlan())
+    assert not AttentionPlan(window=512, prefix_pages=2).covers(narrow)  # another prefix
+    chunks = AttentionPlan(decode_chunks=64)
+    assert chunks.covers(AttentionPlan(decode_chunks=32))
+    assert not chunks.covers(AttentionPlan(decode_chunks=96)) and not chunks.covers(wide)
+    shapes = policy.Shapes()
+    assert shapes.plan((8, 512), wide) is wide
+    assert shapes.plan((8, 512), narrow) is wide  # same compiled step
+    assert shapes.plan((8, 384), narrow) is narrow  # another shape: its own

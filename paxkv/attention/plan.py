@@ -62,6 +62,15 @@ class AttentionPlan:
             raise ValueError(f"AttentionPlan.decode_chunks must be None or an int >= 1, got "
                              f"{self.decode_chunks!r}")
 
+    def covers(self, other: "AttentionPlan") -> bool:
+        """Whether a step compiled for this plan serves ``other``'s rows on its fast path:
+        every hint that holds for them holds for this one (the same shared prefix, a window
+        and a chunk list at least as long), so a caller may reuse this compiled step."""
+        longer = lambda a, b: a is None if b is None else a is None or a >= b  # noqa: E731
+        return (self.prefix_pages == other.prefix_pages and longer(self.window, other.window)
+                and (self.decode_chunks is None) == (other.decode_chunks is None)
+                and longer(self.decode_chunks, other.decode_chunks))
+
 
 NO_PLAN = AttentionPlan()
 
