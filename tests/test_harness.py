@@ -22,6 +22,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 import paxkv  # noqa: E402
 from paxkv.harness import PaxkvLM  # noqa: E402
+from paxkv.harness.stops import StopScan  # noqa: E402
 import oracle  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,6 +74,37 @@ def test_empty_context_becomes_bos_and_long_contexts_are_cut_from_the_left(paxkv
     ids = lm.encode(ctx + " end")
     want = paxkv.score(lm, [(ids[-(MAX_LENGTH + 1):-1], ids[-1:])])[0]
     assert abs(cut - want.logprob) < 1e-5
+
+
+def test_stop_scan_finds_what_a_whole_decode_finds_decoding_only_a_tail(paxkv_lm):
+    # Outputs of ~450 tokens (accents, CJK split across byte tokens, special tokens that
+    # decode to nothing, even inside the stop string), fed 1-3 tokens a step: the scan must say
+    # "found" at the same step as a whole decode does, decoding O(n) tokens in all, where
+    # decoding the whole output each step is ~n^2 / 4 (~50,000 tokens here).
+    rng = np.random.default_rng(0)
+    text = "Question: what is 2 + 2?\n\nAnswer: 4, déjà vu, 日本語の文.\n\n"
+    specials = [paxkv_lm.eot_token_id, paxkv_lm.prefix_token_id]
+    decoded = []
+
+    def decode(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return paxkv_lm.tok_decode(ids)
+
+    for trial in range(4):
+        stop = ["XYZZY", "日本語XY", "\n\nQ:"][trial % 3]
+        ids = paxkv_lm.tok_encode(text * 12 + stop + text)
+        for at in sorted(rng.choice(len(ids), 40, replace=False), reverse=True):
+            ids.insert(int(at), int(rng.choice(specials)))
+        scan, n = StopScan(decode, ["", "never there", stop]), 0
+        decoded.clear()
+        while n < len(ids):
+            n += int(rng.integers(1, 4))
+            whole = stop in paxkv_lm.tok_decode(ids[:n])
+            assert scan.found(ids[:n]) == whole, (trial, n)
+            if whole:
+                break
+        assert whole and n > 400
+        assert sum(decoded) <= 40 * n, (sum(decoded), n)
 
 
 @pytest.mark.slow

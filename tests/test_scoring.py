@@ -21,6 +21,7 @@ import paxkv
 from paxkv import buckets
 from paxkv.full_attention import NoCache
 from paxkv.scoring import Scorer, rolling_windows, scorer_for, token_pairs
+from paxkv.scoring.batches import child_groups, step_width
 from paxkv.scoring.steps import scored
 from paxkv.step_info import StepInfo
 from tiny import tiny_lm
@@ -200,6 +201,48 @@ def test_groups_larger_than_the_rows_are_split(tiny):
     got = paxkv.score(tiny, pairs, max_seqs=8)
     ref = reference(tiny, pairs)
     assert all(close(r.logprob, sum(w)) for r, w in zip(got, ref))
+
+
+def test_child_steps_group_rows_of_like_lengths():
+    # 4 continuations feeding 19 tokens and 28 feeding 2: one 32 x 32 step pads 1,024 tokens
+    # for 132 real ones; a 4 x 32 step plus a 32 x 4 step pad 256.
+    # Splitting pays once both shapes are compiled; before, two compiles cost more than the
+    # padding they save, so a first pass runs one step (and its shape joins `compiled`).
+    lefts = [19] * 4 + [2] * 28
+    compiled: set[tuple[int, int]] = set()
+    assert child_groups(lefts, cap=512, max_rows=32, budget=2048, compiled=compiled) == [(0, 32)]
+    assert compiled == {(32, 32)}
+    compiled = {(4, 32), (32, 4)}
+    groups = child_groups(lefts, cap=512, max_rows=32, budget=2048, compiled=compiled)
+    assert groups == [(0, 4), (4, 32)]
+    work = sum(buckets.pow2(e - s) * step_width(lefts[s], 512) for s, e in groups)
+    assert work == 4 * 32 + 32 * 4
+    # Lengths alike: one step (another would only add its fixed cost); the budget caps rows.
+    assert child_groups([7] * 32, cap=512, max_rows=32, budget=2048) == [(0, 32)]
+    assert child_groups([30] * 8, cap=512, max_rows=32, budget=64) == [(0, 2), (2, 4), (4, 6),
+                                                                      (6, 8)]
+    assert child_groups([], cap=512, max_rows=32, budget=2048) == []
+
+
+def test_mixed_continuation_lengths_score_exactly_in_fewer_padded_tokens(tiny):
+    rng = np.random.default_rng(5)
+    pairs = [(rng.integers(0, 256, 20).tolist(), rng.integers(0, 256, n).tolist())
+             for n in (20, 3, 3, 3, 20, 3, 3, 3)]
+    ref = reference(tiny, pairs)
+    # A fresh scorer runs the children as one 8 x 32 step: two more compiled shapes would cost
+    # more than the padding they save.
+    fresh = make(tiny)
+    got = fresh.score(token_pairs(tiny, pairs))
+    assert all(close(r.logprob, sum(w)) for r, w in zip(got, ref))
+    assert fresh.stats.padded_tokens == 8 * 24 + 8 * 32
+    # With those shapes compiled: 2 x 32 (19 tokens each) and 8 x 4 (6 rows of 2).
+    scorer = make(tiny)
+    scorer.child_shapes.update({(2, 32), (8, 4)})
+    got = scorer.score(token_pairs(tiny, pairs))
+    assert all(close(r.logprob, sum(w)) for r, w in zip(got, ref))
+    assert scorer.stats.padded_tokens == 8 * 24 + 2 * 32 + 8 * 4
+    assert_free(fresh)
+    assert_free(scorer)
 
 
 class LastOnly:

@@ -28,6 +28,7 @@ from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
 
 from paxkv import models
 from paxkv.engine import Engine
+from paxkv.harness.stops import StopScan
 from paxkv.scoring import Scorer, ScoreResult, rolling_windows, scorer_for, truncate
 
 ARGS = ("pretrained", "batch_size", "max_batch_size", "device", "page_size", "kv_dtype",
@@ -198,7 +199,8 @@ class PaxkvLM(TemplateLM):
     # -- generation -----------------------------------------------------------------------
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled) continuations through the engine, each stopped as soon as its
-        text holds a stop string and cut at the first one (the ``hf`` backend's output)."""
+        text holds a stop string (:class:`~paxkv.harness.stops.StopScan`: only the tail is
+        decoded each step) and cut at the first one (the ``hf`` backend's output)."""
         out: list[str | None] = [None] * len(requests)
         by_kwargs: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
@@ -228,10 +230,11 @@ class PaxkvLM(TemplateLM):
         rids = [engine.submit(p, max_new_tokens=max_new, temperature=temperature,
                               seed=int(kwargs.get("seed", 0) or 0)) for p in prompts]
         tokens: dict[int, list[int]] = {r: [] for r in rids}
+        scans = {r: StopScan(self.tok_decode, until) for r in rids}
         while engine.has_work():
             for rid, new in engine.step().new_tokens.items():
                 tokens[rid] += new
-                if any(s and s in self.tok_decode(tokens[rid]) for s in until):
+                if scans[rid].found(tokens[rid]):
                     engine.cancel(rid)
         return [postprocess_generated_text(self.tok_decode(tokens[r]), until, None)
                 for r in rids]

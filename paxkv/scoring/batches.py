@@ -78,6 +78,58 @@ def context_step(batch: Sequence[ContextRow], t: int, pairs: Sequence[Pair], max
     return tokens, rows, qlen, candidates, firsts
 
 
+# What a step costs beyond its batch x width tokens, in tokens (reading the weights, the page
+# table ops; SmolLM2-135M on this CPU: a child step of 8 x 4 took 0.55 s, 8 x 16 1.2 s): the
+# child-step planner weighs one more step (and one more compiled shape) against the padding
+# it saves.
+STEP_TOKENS = 64
+
+
+# What compiling one more step shape costs, in tokens of work (3-5 s on this CPU, about half
+# a full 4,096-token prefill call: see paxkv.policy.Shapes). Without it the planner chose 15
+# child shapes for the 48-question multiple-choice workload, where a single pass pays each.
+COMPILE_TOKENS = 2048
+
+
+def child_groups(lefts: Sequence[int], cap: int, max_rows: int, budget: int,
+                 compiled: set[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    """Splits child rows into steps: ``lefts`` (tokens each still feeds, longest first) ->
+    ``[(start, end)]`` ranges, one step each, chosen to minimise the padded work.
+
+    A step's shape is ``pow2(rows) x pow2(longest left)`` (width 4 .. ``cap``, rows at most
+    ``max_rows`` and ``budget // width``): one step for 32 continuations of 2-20 tokens is
+    32 x 32 = 1,024 tokens for ~350 real ones; steps of like lengths pad far less, at
+    :data:`STEP_TOKENS` per extra step and :data:`COMPILE_TOKENS` per shape not in
+    ``compiled`` (which the chosen shapes join). A shortest path over the sorted rows (a batch
+    of children is at most the cache's rows: O(n^2) on the host)."""
+    compiled = set() if compiled is None else compiled
+    n = len(lefts)
+    best = [0] + [1 << 60] * n  # best[i]: the cheapest plan of the first i rows
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        for start in range(end - 1, -1, -1):
+            t = step_width(lefts[start], cap)
+            if end - start > max(1, min(max_rows, budget // t)):
+                break
+            shape = (buckets.pow2(end - start), t)
+            cost = (best[start] + shape[0] * t + STEP_TOKENS
+                    + (0 if shape in compiled else COMPILE_TOKENS))
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    groups, end = [], n
+    while end:
+        groups.append((cut[end], end))
+        compiled.add((buckets.pow2(end - cut[end]), step_width(lefts[cut[end]], cap)))
+        end = cut[end]
+    return groups[::-1]
+
+
+def step_width(left: int, cap: int) -> int:
+    """Width of a continuation step whose longest row still feeds ``left`` tokens: a power of
+    two, 4 .. ``cap`` (1 for a model that scores one token a step)."""
+    return buckets.pow2(left, 4, cap) if cap > 1 else 1
+
+
 def continuation_step(batch: Sequence[ChildRow], t: int, max_rows: int
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(tokens [b, t], targets [b, t], rows [b], query_lengths [b])`` for the next chunk of

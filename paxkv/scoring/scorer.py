@@ -9,7 +9,7 @@ One batch (as many contexts as the rows and pages allow)::
     fork       a context with k multi-token continuations: its row is child 0, k - 1 forks
                share its pages (the partial last page is copied by each writer but one)
     score      every child row feeds its continuation but the last token, teacher-forced,
-               many rows per step (score_step); chunks when longer than a step
+               rows of like lengths per step (score_step); chunks when longer than a step
     release    every row; after the last batch the index lets go too: the pool is all free
 
 Everything the device does is a jitted function with the cache donated; the host keeps token
@@ -30,8 +30,8 @@ from paxkv.cache_ops import CacheOps, count_copies, shared_partial_pages
 from paxkv.prefix_cache import Hit
 from paxkv.protocol import check_model
 from paxkv.scoring import steps
-from paxkv.scoring.batches import (ChildRow, ContextRow, context_step, continuation_step,
-                                   pages_needed)
+from paxkv.scoring.batches import (ChildRow, ContextRow, child_groups, context_step,
+                                   continuation_step, pages_needed, step_width)
 from paxkv.scoring.requests import Pair, group
 from paxkv.scoring.results import ScoreResult, ScoreStats
 from paxkv.scoring.shared import SharedContexts
@@ -78,6 +78,7 @@ class Scorer:
         self.forward_all = steps.all_logits(lm)
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.score_tokens = score_tokens
+        self.child_shapes: set[tuple[int, int]] = set()  # child step shapes run so far
         self.stats = ScoreStats()
 
     @property
@@ -253,17 +254,20 @@ class Scorer:
 
     def _score_children(self, children: list[ChildRow], lps: list[list[float]],
                         greedy: list[list[bool]]) -> None:
-        """Teacher-forced steps over every child row, in chunks of at most a step's width."""
+        """Teacher-forced steps over every child row: rows of like lengths share a step
+        (:func:`~paxkv.scoring.batches.child_groups`), each in chunks of at most a step's
+        width."""
         cap = self.forward_all.width_limit or self.prefill_chunk
         todo = sorted([c for c in children if c.left], key=lambda c: c.left, reverse=True)
-        while todo:
-            t = buckets.pow2(todo[0].left, 4, cap) if cap > 1 else 1
-            b_max = max(1, min(self.ops.max_seqs, self.score_tokens // t))
-            batch, todo = todo[:b_max], todo[b_max:]
+        groups = child_groups([c.left for c in todo], cap, self.ops.max_seqs, self.score_tokens,
+                              self.child_shapes)
+        for start, end in groups:
+            batch = todo[start:end]
+            t = step_width(batch[0].left, cap)
             while batch:
                 batch = self._score_chunk(batch, t, lps, greedy)
-                if batch and cap > 1:
-                    t = buckets.pow2(max(c.left for c in batch), 4, t)
+                if batch:
+                    t = step_width(max(c.left for c in batch), t)
 
     def _score_chunk(self, batch: list[ChildRow], t: int, lps: list[list[float]],
                      greedy: list[list[bool]]) -> list[ChildRow]:
