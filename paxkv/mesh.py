@@ -2,16 +2,21 @@
 per-shard runner every sharded operation goes through.
 
 A sharded cache's arrays carry a leading *shard* axis of size ``data`` placed on the mesh's
-``data`` axis (``P("data")``), so each device's block is one shard's single-device state::
+``data`` axis (``P("data")``), so each device's block is one shard's single-device state; the
+pool's kv-head axis is also split over ``model`` (:data:`POOL`, tensor parallel), so device
+``(d, m)`` holds shard ``d``'s pages for kv heads ``m * K/model ... (m + 1) * K/model - 1``::
 
     pool.k   [data, layers, pages_per_shard + 1, kv_heads, page_size, head_dim]
+                |                                   |
+                +-- "data"                          +-- "model"      (1 / (data x model) each)
     table    block_tables [data, rows_per_shard, max_pages_per_seq], ref_counts [data, ...]
-                  |
-                  +-- device d holds index d of the shard axis (model axis of size 1)
+                |
+                +-- "data", the same on every device of one model row
 
 :func:`per_shard` runs a single-device function on each block inside one ``shard_map`` (the
 leading axis dropped inside, restored outside), so the pure page-table ops and the paged
-attention run unchanged, with no collective unless the caller asks for one.
+attention run unchanged on a device's pages and heads, with no collective unless the caller
+asks for one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 SHARDED = P(DATA)  # a leading shard axis on the data axis
 REPLICATED = P()
+# [data, layers, pages + 1, kv_heads, ...] pool leaves and [data, rows, t, heads, head_dim]
+# q / k / v blocks: the shard axis on data, the (kv) head axis on model
+POOL = HEADS = P(DATA, None, None, MODEL)
+ROW_HEADS = P(None, None, MODEL)  # [b, t, heads, head_dim] seen whole by every data shard
 
 
 def make_mesh(data: int, model: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
@@ -41,17 +50,40 @@ def make_mesh(data: int, model: int = 1, devices: Sequence[Any] | None = None) -
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def data_size(mesh: Mesh) -> int:
-    """The data axis of a ``("data", "model")`` mesh, checked: Raises ``ValueError`` naming
-    the axes a mesh lacks, or a model axis other than 1 (not built yet)."""
+def axis_sizes(mesh: Mesh) -> tuple[int, int]:
+    """``(data, model)`` of a ``("data", "model")`` mesh, checked: Raises ``ValueError``
+    naming the axes a mesh lacks."""
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
         names = getattr(mesh, "axis_names", None)
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES}, got {names!r}: "
                          "build one with paxkv.mesh.make_mesh(data, model)")
-    if mesh.shape[MODEL] != 1:
-        raise ValueError(f"the mesh's model axis is {mesh.shape[MODEL]}: model-axis (kv-head) "
-                         "sharding is not built yet; use a (data, 1) mesh")
-    return mesh.shape[DATA]
+    return mesh.shape[DATA], mesh.shape[MODEL]
+
+
+def check_model_axis(name: str, size: int, mesh: Mesh) -> None:
+    """Raises ``ValueError`` unless the model axis divides ``size`` (``name``: what is split,
+    e.g. ``num_kv_heads``), naming the model axes and the mesh shapes on this mesh's devices
+    that fit: a head split unevenly would give devices different heads to hold."""
+    data, model = axis_sizes(mesh)
+    if size % model == 0:
+        return
+    fits = divisors(size)
+    n = data * model
+    shapes = [(n // m, m) for m in fits if n % m == 0]
+    raise ValueError(f"{name}={size} cannot be split over a model axis of {model}: the model "
+                     f"axis must divide {size} ({either(fits)}); on these {n} devices use a "
+                     f"(data, model) mesh of {either(shapes)}")
+
+
+def divisors(n: int, most: int = 64) -> list[int]:
+    """The axis sizes up to ``most`` that split ``n`` evenly (for error messages)."""
+    return [m for m in range(1, min(n, most) + 1) if n % m == 0]
+
+
+def either(options: Sequence[Any]) -> str:
+    """``"1, 2 or 4"``: choices as an error message lists them."""
+    words = [str(x) for x in options]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def auto(mesh: Mesh) -> Mesh:
@@ -63,12 +95,18 @@ def auto(mesh: Mesh) -> Mesh:
 
 
 def sharded(mesh: Mesh) -> NamedSharding:
-    """Where every cache leaf lives: its leading shard axis on ``data``."""
+    """Where every page-table leaf lives: its leading shard axis on ``data``."""
     return NamedSharding(mesh, SHARDED)
 
 
+def pool_sharding(mesh: Mesh) -> NamedSharding:
+    """Where every pool leaf lives: shard axis on ``data``, kv-head axis on ``model``."""
+    return NamedSharding(mesh, POOL)
+
+
 def per_shard(fn: Callable[..., Any], mesh: Mesh, blocks: Any, shared: Any = (),
-              out_specs: Any = SHARDED) -> Any:
+              out_specs: Any = SHARDED, *, block_specs: Any = SHARDED,
+              shared_specs: Any = REPLICATED) -> Any:
     """Runs ``fn(block, shared)`` once per data shard inside one ``shard_map``.
 
     Args:
@@ -77,20 +115,24 @@ def per_shard(fn: Callable[..., Any], mesh: Mesh, blocks: Any, shared: Any = (),
         whose spec is ``SHARDED`` get the leading axis back; ``REPLICATED`` ones must be the
         same on every shard (a ``psum`` over ``"data"`` makes them so).
       blocks: a pytree whose array leaves are ``[data, ...]`` (placed by ``shard_map``).
-      shared: a pytree of arrays every shard sees whole.
-      out_specs: a pytree prefix of ``fn``'s outputs (default: all ``SHARDED``).
+      shared: a pytree of arrays every data shard sees whole.
+      out_specs: a pytree prefix of ``fn``'s outputs (default: all ``SHARDED``); a spec
+        whose first entry is ``"data"`` (``SHARDED``, ``POOL``) gets the leading axis back.
+      block_specs, shared_specs: pytree prefixes of ``blocks`` / ``shared``: ``POOL`` /
+        ``HEADS`` leaves (or ``ROW_HEADS`` shared ones) arrive with only this device's heads.
     """
     def body(block: Any, rest: Any) -> Any:
         out = fn(jax.tree.map(lambda x: x[0], block), rest)
         return jax.tree.map(lambda spec, o: _restack(spec, o), out_specs, out,
                             is_leaf=lambda x: isinstance(x, P))
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(SHARDED, REPLICATED),
+    return jax.shard_map(body, mesh=mesh, in_specs=(block_specs, shared_specs),
                          out_specs=out_specs)(blocks, shared)
 
 
 def _restack(spec: P, out: Any) -> Any:
-    return jax.tree.map(lambda x: x[None], out) if spec == SHARDED else out
+    stacked = len(spec) > 0 and spec[0] == DATA
+    return jax.tree.map(lambda x: x[None], out) if stacked else out
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all",
@@ -111,3 +153,9 @@ def count_collectives(compiled_text: str) -> dict[str, int]:
                 n += 1
         counts[kind] = n
     return counts
+
+
+def shard_of(rows: jax.Array, rows_per_shard: int) -> jax.Array:
+    """The data shard of each global row id (``row // rows_per_shard``; -1 stays negative:
+    no shard)."""
+    return jax.numpy.where(rows >= 0, rows // rows_per_shard, -1)

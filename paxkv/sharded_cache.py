@@ -1,11 +1,15 @@
-"""The paged KV cache over the data axis of a JAX mesh: one single-device paged cache per shard.
+"""The paged KV cache over a ``("data", "model")`` JAX mesh: one single-device paged cache per
+data shard, its kv heads split over the model axis.
 
 Each data shard owns ``rows_per_shard = max_seqs / data`` rows, ``pages_per_shard =
 num_pages / data`` pages and its own sentinel, with shard-local page ids. Every leaf of the
 pool and of the page table gains a leading shard axis placed on ``"data"``
 (:mod:`paxkv.mesh`), and every operation runs today's :class:`~paxkv.paged_cache.PagedCache`
 on each shard's block inside one ``shard_map``: table ops and in-order decode attention
-compile to no collective at all. Outside, rows are one flat ``[max_seqs]`` axis, so
+compile to no collective at all. On a model axis each device of a data shard holds ``K /
+model`` of its kv heads and attends with the matching q heads (:mod:`paxkv.sharded_attention`):
+the page table is the same on each of them, and the model's weights are split to match
+(:mod:`paxkv.tensor_parallel`). Outside, rows are one flat ``[max_seqs]`` axis, so
 :mod:`paxkv.steps` and :class:`paxkv.Engine` drive it unchanged::
 
     row r  ->  shard r // rows_per_shard, local row r % rows_per_shard
@@ -17,7 +21,8 @@ shards fails (``ok`` False, nothing changes) and ``reorder`` drops a row whose p
 another shard (``ok`` False, as for an inactive parent): a page cannot be shared across
 shards, since its id means a different page in each.
 
-The engine-facing sizes are one shard's (the engine does not yet route requests to shards):
+The engine-facing sizes are one shard's (the engine does not yet route requests to shards;
+:func:`paxkv.shard_routing.pick_row` chooses a least-loaded shard's row for when it does):
 ``num_pages`` is the pages one row can draw on (``pages_per_shard``) and :meth:`free_pages`
 is the free pages of the fullest shard that still has a free row, so the engine's admission
 never places a request where its shard has no room. Exact figures: :attr:`total_pages`,
@@ -35,10 +40,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from paxkv import buckets, mesh as pmesh
+from paxkv import buckets, mesh as pmesh, sharded_attention
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
 from paxkv.paged_cache import PagedCache, resolve_impl
+from paxkv.sharded_attention import STATE
 from paxkv.step_info import StepInfo
 
 
@@ -51,10 +57,10 @@ class ShardedPagedCache:
     Attributes:
       pools: every shard's pool, leaves ``[data, layers, pages_per_shard + 1, kv_heads,
         page_size, head_dim]`` (scales ``[data, layers, pages_per_shard + 1, kv_heads, 2,
-        page_size]``), on ``P("data")``.
+        page_size]``), on ``P("data", None, None, "model")`` (:data:`paxkv.mesh.POOL`).
       tables: every shard's page table, leaves ``[data, ...]`` on ``P("data")``; its static
         ``num_pages`` is ``pages_per_shard`` and its ids are shard-local.
-      mesh: a ``("data", "model")`` mesh, model axis 1 (static).
+      mesh: a ``("data", "model")`` mesh whose model axis divides ``kv_heads`` (static).
       scrub, impl: as :class:`~paxkv.paged_cache.PagedCache`'s (static).
     """
 
@@ -102,6 +108,12 @@ class ShardedPagedCache:
         return self.num_shards * self.pages_per_shard
 
     @property
+    def kv_bytes_per_device(self) -> int:
+        """Pool bytes (K, V and scales, sentinels included) each device holds: ``1 / (data x
+        model)`` of the pool, from shapes alone (valid under jit, and after donation)."""
+        return self.pools.nbytes // self.mesh.devices.size
+
+    @property
     def lengths(self) -> jax.Array:
         """int32 ``[max_seqs]``."""
         return self.tables.lengths.reshape(-1)
@@ -118,15 +130,20 @@ class ShardedPagedCache:
     def _local(self, block: tuple[kv_pool.KVPool, pt.PageTable]) -> PagedCache:
         return PagedCache(pool=block[0], table=block[1], scrub=self.scrub, impl=self.impl)
 
-    def _run(self, fn: Callable[..., Any], *per_row: jax.Array, shared: Any = (),
-             out_specs: Any = pmesh.SHARDED) -> Any:
-        """``fn(shard_cache, per_row_blocks, shared)`` on every shard (per-row arrays
-        ``[max_seqs, ...]`` split by shard)."""
+    def per_device(self, fn: Callable[..., Any], *per_row: jax.Array,
+                   row_specs: Any = pmesh.SHARDED, shared: Any = (),
+                   shared_specs: Any = pmesh.REPLICATED,
+                   out_specs: Any = (STATE, pmesh.SHARDED)) -> Any:
+        """``fn(shard_cache, per_row_blocks, shared)`` on every device (per-row arrays
+        ``[max_seqs, ...]`` split by data shard; specs as :func:`paxkv.mesh.per_shard`'s).
+        ``fn`` returns ``((pool, table), ...)`` by default."""
         blocks = (self.pools, self.tables, tuple(self._by_shard(x) for x in per_row))
         return pmesh.per_shard(lambda b, s: fn(self._local(b[:2]), b[2], s), self.mesh,
-                               blocks, shared, out_specs)
+                               blocks, shared, out_specs, block_specs=STATE + (row_specs,),
+                               shared_specs=shared_specs)
 
-    def _with(self, local: tuple[kv_pool.KVPool, pt.PageTable]) -> "ShardedPagedCache":
+    def with_state(self, local: tuple[kv_pool.KVPool, pt.PageTable]) -> "ShardedPagedCache":
+        """This cache holding ``(pools, tables)`` from :meth:`per_device`."""
         return dataclasses.replace(self, pools=local[0], tables=local[1])
 
     # -- the KVCache protocol -------------------------------------------------------------
@@ -137,16 +154,16 @@ class ShardedPagedCache:
         def fn(c, rows, _):
             c, ok = c.reserve(rows[0], max_new=max_new)
             return (c.pool, c.table), ok
-        local, ok = self._run(fn, jnp.asarray(num_new, jnp.int32))
-        return self._with(local), ok.reshape(-1)
+        local, ok = self.per_device(fn, jnp.asarray(num_new, jnp.int32))
+        return self.with_state(local), ok.reshape(-1)
 
     def release(self, rows: jax.Array) -> tuple["ShardedPagedCache", jax.Array]:
         """Ends rows (bool ``[max_seqs]``); ``ok`` bool ``[max_seqs]``."""
         def fn(c, mask, _):
             c, ok = c.release(mask[0])
             return (c.pool, c.table), ok
-        local, ok = self._run(fn, jnp.asarray(rows, bool))
-        return self._with(local), ok.reshape(-1)
+        local, ok = self.per_device(fn, jnp.asarray(rows, bool))
+        return self.with_state(local), ok.reshape(-1)
 
     def fork(self, parents: jax.Array,
              children: jax.Array) -> tuple["ShardedPagedCache", jax.Array]:
@@ -154,23 +171,24 @@ class ShardedPagedCache:
         ``ok`` bool ``[k]`` is False for a pair whose rows live in different shards."""
         def fn(c, _, pair):
             p, ch = pair
-            mine = (_shard_of(p, self.rows_per_shard) == lax.axis_index(pmesh.DATA)) & (
-                _shard_of(ch, self.rows_per_shard) == lax.axis_index(pmesh.DATA))
+            me = lax.axis_index(pmesh.DATA)
+            mine = ((pmesh.shard_of(p, self.rows_per_shard) == me)
+                    & (pmesh.shard_of(ch, self.rows_per_shard) == me))
             c, ok = c.fork(self._to_local(p, mine), self._to_local(ch, mine))
             return (c.pool, c.table), ok & mine
         pair = (jnp.asarray(parents, jnp.int32), jnp.asarray(children, jnp.int32))
-        local, ok = self._run(fn, shared=pair)
-        return self._with(local), jnp.any(ok, axis=0)
+        local, ok = self.per_device(fn, shared=pair)
+        return self.with_state(local), jnp.any(ok, axis=0)
 
     def reorder(self, parents: jax.Array) -> tuple["ShardedPagedCache", jax.Array]:
         """Row ``b`` continues row ``parents[b]`` (int32 ``[max_seqs]``, -1 = drop); a row
         whose parent lives in another shard is dropped too (``ok`` False)."""
         def fn(c, par, _):
-            mine = _shard_of(par[0], self.rows_per_shard) == lax.axis_index(pmesh.DATA)
+            mine = pmesh.shard_of(par[0], self.rows_per_shard) == lax.axis_index(pmesh.DATA)
             c, ok = c.reorder(self._to_local(par[0], mine))
             return (c.pool, c.table), ok
-        local, ok = self._run(fn, jnp.asarray(parents, jnp.int32))
-        return self._with(local), ok.reshape(-1)
+        local, ok = self.per_device(fn, jnp.asarray(parents, jnp.int32))
+        return self.with_state(local), ok.reshape(-1)
 
     def _to_local(self, rows: jax.Array, mine: jax.Array) -> jax.Array:
         """Global row ids -> this shard's local ids, -1 where not ``mine``."""
@@ -210,48 +228,10 @@ class ShardedPagedCache:
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                step: StepInfo, *, sm_scale: float | None = None,
                logit_soft_cap: float | None = None) -> tuple["ShardedPagedCache", jax.Array]:
-        """:meth:`paxkv.protocol.KVCache.attend` per shard: q ``[b, t, H, Dh]``, k/v ``[b, t,
-        K, Dh]`` -> ``(cache, [b, t, H, Dh])``.
-
-        A decode over every row in order (``step.rows`` None) splits the batch by shard: no
-        collective. A batch of chosen rows is seen whole by every shard, which writes and
-        reads only its own rows (the others are padding there) and one ``psum`` over
-        ``"data"`` assembles the output.
-        """
-        scores = dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
-        layer = jnp.asarray(layer, jnp.int32)
-        if step.rows is None:
-            def in_order(c, x, _):
-                q_, k_, v_, pos, lens, qlens = x
-                shard_step = StepInfo(pos, lens, qlens, None, step.plan)
-                c, out = c.attend(layer, q_, k_, v_, shard_step, **scores)
-                return (c.pool, c.table), out
-            local, out = self._run(in_order, q, k, v, step.positions, step.lengths,
-                                   step.query_lengths, shared=layer)
-            return self._with(local), out.reshape(q.shape)
-        local, out = self._run(functools.partial(self._attend_rows, step=step, scores=scores),
-                               shared=(layer, q, k, v, step),
-                               out_specs=(pmesh.SHARDED, pmesh.REPLICATED))
-        return self._with(local), out
-
-    def _attend_rows(self, c: PagedCache, _: tuple, shared: tuple, *, step: StepInfo,
-                     scores: dict) -> tuple[tuple[kv_pool.KVPool, pt.PageTable], jax.Array]:
-        """One shard's part of a chosen-rows step: foreign rows become padding."""
-        layer, q, k, v, full = shared
-        mine = _shard_of(full.rows, self.rows_per_shard) == lax.axis_index(pmesh.DATA)
-        shard_step = StepInfo(positions=jnp.where(mine[:, None], full.positions, -1),
-                              lengths=jnp.where(mine, full.lengths, 0),
-                              query_lengths=jnp.where(mine, full.query_lengths, 0),
-                              rows=jnp.where(mine, full.rows % self.rows_per_shard, 0),
-                              plan=step.plan)
-        c, out = c.attend(layer, q, k, v, shard_step, **scores)
-        out = jnp.where(mine[:, None, None, None], out, jnp.zeros_like(out))
-        return (c.pool, c.table), lax.psum(out, pmesh.DATA)
-
-
-def _shard_of(rows: jax.Array, rows_per_shard: int) -> jax.Array:
-    """The shard of each global row id (-1 stays negative: no shard)."""
-    return jnp.where(rows >= 0, rows // rows_per_shard, -1)
+        """:meth:`paxkv.protocol.KVCache.attend` per device: q ``[b, t, H, Dh]``, k/v ``[b,
+        t, K, Dh]`` -> ``(cache, [b, t, H, Dh])`` (:func:`paxkv.sharded_attention.attend`)."""
+        return sharded_attention.attend(self, layer, q, k, v, step,
+                                        dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap))
 
 
 def _split(name: str, total: int, data: int) -> int:
@@ -268,16 +248,22 @@ def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num
            fill: float = 0.0, scrub: bool = True,
            attention_impl: str = "xla") -> ShardedPagedCache:
     """An empty sharded cache: ``num_pages`` and ``max_seqs`` split evenly over the mesh's
-    data axis, each shard with its own sentinel page, the pool created in place on its devices
-    (``fill``, ``dtype``: as :func:`paxkv.paged_cache.create`). Raises ``ValueError`` naming
-    what to change for a mesh or a size that does not fit."""
-    data = pmesh.data_size(mesh)
+    data axis, each shard with its own sentinel page, ``num_kv_heads`` evenly over its model
+    axis, the pool created in place on its devices (``fill``, ``dtype``: as
+    :func:`paxkv.paged_cache.create`). Raises ``ValueError`` naming what to change for a mesh
+    or a size that does not fit."""
+    data, model = pmesh.axis_sizes(mesh)
+    pmesh.check_model_axis("num_kv_heads", num_kv_heads, mesh)
     mesh = pmesh.auto(mesh)
     rows, pages = _split("max_seqs", max_seqs, data), _split("num_pages", num_pages, data)
     if not isinstance(page_size, int) or page_size < 1 or max_len < 1:
         raise ValueError(f"page_size and max_len must be ints >= 1, got {page_size!r}, "
                          f"{max_len!r}")
     impl = resolve_impl(attention_impl, dtype)
+    if impl == "pallas" and model > 1:
+        raise ValueError("the Pallas kernels do not run on a model axis yet: use "
+                         "attention_impl='xla' on a (data, model) mesh with model > 1, or a "
+                         "(data, 1) mesh")
     table = pt.create(num_pages=pages, page_size=page_size, max_seqs=rows,
                       max_pages_per_seq=buckets.cdiv(max_len, page_size))
     where = pmesh.sharded(mesh)
@@ -289,5 +275,6 @@ def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num
                              page_size=page_size, head_dim=head_dim, dtype=dtype, fill=fill)
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (data, *x.shape)), one)
 
-    pools = jax.jit(make_pools, out_shardings=where)()  # each device builds only its block
+    # each device builds only its block
+    pools = jax.jit(make_pools, out_shardings=pmesh.pool_sharding(mesh))()
     return ShardedPagedCache(pools=pools, tables=tables, mesh=mesh, scrub=scrub, impl=impl)

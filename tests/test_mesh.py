@@ -31,9 +31,11 @@ REF_PAGES = MAX_SEQS * MAX_LEN // PAGE_SIZE  # the single-device run never preem
 TIGHT = {8: 48, 4: 24, 2: 16}  # data axis -> num_pages: 6 / 6 / 8 pages a shard, preempts
 
 
-def run_worker(name: str, *args: object, devices: int = 8, timeout: int = 300) -> dict:
-    """Runs ``worker_<name>(*args)`` in a fresh interpreter with ``devices`` CPU devices."""
-    code = ("import sys, json; sys.path.insert(0, 'tests'); import test_mesh as t; "
+def run_worker(name: str, *args: object, devices: int = 8, timeout: int = 300,
+               module: str = "test_mesh") -> dict:
+    """Runs ``<module>.worker_<name>(*args)`` in a fresh interpreter with ``devices`` CPU
+    devices."""
+    code = (f"import sys, json; sys.path.insert(0, 'tests'); import {module} as t; "
             f"print('RESULT ' + json.dumps(t.worker_{name}(*{args!r})))")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -74,10 +76,11 @@ def shard_problems(cache) -> list[str]:
             out.append(f"shard {s}: padding is not the sentinel or an idle row has a length")
         if not np.array_equal(np.bincount(bt[cells], minlength=pps), refs):
             out.append(f"shard {s}: ref counts {refs.tolist()} != recount of its tables")
-    want = pmesh.sharded(cache.mesh)
-    for leaf in jax.tree.leaves((cache.pools, cache.tables)):
-        if not leaf.sharding.is_equivalent_to(want, leaf.ndim):
-            out.append(f"a {leaf.shape} leaf moved to {leaf.sharding}")
+    for tree, want in ((cache.pools, pmesh.pool_sharding(cache.mesh)),
+                       (cache.tables, pmesh.sharded(cache.mesh))):
+        for leaf in jax.tree.leaves(tree):
+            if not leaf.sharding.is_equivalent_to(want, leaf.ndim):
+                out.append(f"a {leaf.shape} leaf moved to {leaf.sharding}")
     return out
 
 
@@ -207,19 +210,21 @@ def worker_errors() -> dict:
     _start()
     from paxkv import mesh as pmesh, sharded_cache  # noqa: PLC0415
 
-    dims = dict(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, max_len=16)
-    cases = {"model": dict(mesh=pmesh.make_mesh(2, 2), num_pages=8, max_seqs=4),
+    dims = dict(num_layers=1, head_dim=8, page_size=4, max_len=16)
+    cases = {"model": dict(mesh=pmesh.make_mesh(4, 2), num_pages=8, max_seqs=4,
+                           num_kv_heads=3),
              "max_seqs": dict(mesh=pmesh.make_mesh(4), num_pages=8, max_seqs=6),
              "num_pages": dict(mesh=pmesh.make_mesh(4), num_pages=10, max_seqs=4),
              "axes": dict(mesh="not a mesh", num_pages=8, max_seqs=4)}
     from paxkv.protocol import KVCache  # noqa: PLC0415
 
-    cache = sharded_cache.create(mesh=pmesh.make_mesh(2), num_pages=8, max_seqs=4, **dims)
+    cache = sharded_cache.create(mesh=pmesh.make_mesh(2), num_pages=8, max_seqs=4,
+                                 num_kv_heads=1, **dims)
     out = {"is_kv_cache": isinstance(cache, KVCache), "sizes": [
         cache.max_seqs, cache.num_pages, cache.total_pages, cache.max_len, cache.page_size]}
     for name, kw in cases.items():
         try:
-            sharded_cache.create(**kw, **dims)
+            sharded_cache.create(**{"num_kv_heads": 1, **kw}, **dims)
             out[name] = "no error"
         except ValueError as e:
             out[name] = str(e)
@@ -275,7 +280,9 @@ def test_table_ops_collectives_placement_and_donation():
 
 def test_mesh_and_size_errors_name_the_fix():
     found = run_worker("errors")
-    assert "model-axis" in found["model"] and "not built yet" in found["model"]
+    assert found["model"] == (
+        "num_kv_heads=3 cannot be split over a model axis of 2: the model axis must divide 3 "
+        "(1 or 3); on these 8 devices use a (data, model) mesh of (8, 1)")
     assert "max_seqs=6" in found["max_seqs"] and "max_seqs=4 or 8" in found["max_seqs"]
     assert "num_pages=8 or 12" in found["num_pages"]
     assert "('data', 'model')" in found["axes"]
