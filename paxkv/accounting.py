@@ -9,8 +9,9 @@ import jax
 
 from paxkv import page_table as pt
 
-table_stats = jax.jit(pt.stats)
-sharing_stats = jax.jit(pt.sharing_stats)
+# One jitted read of a page-sharing cache's accounting (any KVCache with ``stats`` and
+# ``sharing_stats``: the paged cache, the sharded one).
+_page_numbers = jax.jit(lambda cache: (cache.stats(), cache.sharing_stats()))
 
 
 @dataclasses.dataclass
@@ -57,6 +58,8 @@ class EngineStats:
       peak_running: the most requests decoding in one step.
       preemptions, evictions: requests preempted, cached pages evicted.
       kv_bytes_per_page: K + V bytes of one page over all layers.
+      kv_bytes_per_device: K/V bytes each device holds (the whole cache on one device; a
+        sharded cache's ``1 / (data x model)``).
       sequences: per request id, the rows' :class:`SequenceStats`.
     """
 
@@ -78,6 +81,7 @@ class EngineStats:
     preemptions: int
     evictions: int
     kv_bytes_per_page: int
+    kv_bytes_per_device: int
     sequences: dict[int, SequenceStats]
 
 
@@ -88,8 +92,7 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
     cache = ops.cache
     rows = {r.id: r for r in table.rows if r is not None}
     if cache.shares_pages:
-        ts = jax.device_get(table_stats(cache.table))
-        sh = jax.device_get(sharing_stats(cache.table))
+        ts, sh = jax.device_get(_page_numbers(cache))
         used, shared = int(ts.used_pages), int(ts.shared_pages)
         refs, distinct = int(sh.row_references), int(sh.row_pages)
         seqs = {i: SequenceStats(r.cached, int(sh.pages_held[r.row]), int(sh.shared_held[r.row]))
@@ -103,19 +106,30 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
                    evictions=index.evicted) if index is not None else
               dict(cached_pages=0, prefix_lookup_tokens=0, prefix_hit_tokens=0,
                    prefix_hit_rate=0.0, evictions=0))
+    num_pages = getattr(cache, "total_pages", cache.num_pages)  # a sharded cache: all shards
     return EngineStats(
-        num_pages=cache.num_pages, free_pages=cache.num_pages - used, used_pages=used,
+        num_pages=num_pages, free_pages=num_pages - used, used_pages=used,
         shared_pages=shared, row_references=refs, row_pages=distinct,
         cow_copies=ops.cow_copies, prefill_tokens=counters.prefill_tokens,
         decode_tokens=counters.decode_tokens, peak_pages_used=ops.peak_used,
         peak_running=counters.peak_running, preemptions=counters.preemptions, **counts,
-        kv_bytes_per_page=kv_bytes_per_page(cache), sequences=seqs)
+        kv_bytes_per_page=kv_bytes_per_page(cache),
+        kv_bytes_per_device=getattr(cache, "kv_bytes_per_device", kv_bytes(cache)),
+        sequences=seqs)
+
+
+def kv_bytes(cache: Any) -> int:
+    """Every K/V byte the cache holds (scales and sentinel pages included)."""
+    if hasattr(cache, "pools"):  # sharded: every shard's pool
+        return cache.pools.nbytes
+    leaves = cache.pool.arrays() if hasattr(cache, "pool") else cache.arrays()
+    return sum(x.nbytes for x in leaves)
 
 
 def kv_bytes_per_page(cache: Any) -> int:
     """K + V bytes of one page over all layers (a dense cache: one row), the scales of an
     int8 / fp8 cache included."""
-    paged = hasattr(cache, "pool")
-    leaves = cache.pool.arrays() if paged else cache.arrays()
-    slots = cache.num_pages + 1 if paged else cache.num_pages
-    return sum(x.nbytes for x in leaves) // slots
+    if hasattr(cache, "pools"):  # each shard has its own sentinel page
+        return kv_bytes(cache) // (cache.num_shards * (cache.pages_per_shard + 1))
+    slots = cache.num_pages + 1 if hasattr(cache, "pool") else cache.num_pages
+    return kv_bytes(cache) // slots

@@ -116,6 +116,10 @@ class PagedCache:
     def stats(self) -> pt.TableStats:
         return pt.stats(self.table)
 
+    def sharing_stats(self) -> pt.SharingStats:
+        """Who shares what, per row (:func:`paxkv.page_table.sharing_stats`)."""
+        return pt.sharing_stats(self.table)
+
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                step: StepInfo, *, sm_scale: float | None = None,
                logit_soft_cap: float | None = None) -> tuple["PagedCache", jax.Array]:

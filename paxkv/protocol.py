@@ -38,6 +38,10 @@ class KVCache(Protocol):
     Static sizes (Python ints under jit): ``max_seqs``, ``max_len``, ``page_size`` (a dense
     cache's page is a whole row: ``max_len``), ``num_pages`` (dense: ``max_seqs``);
     ``shares_pages``: whether rows can hold the same pages (paged: True; a dense fork copies).
+    A cache that shares pages also gives ``sharing_stats() ->``
+    :class:`paxkv.page_table.SharingStats` (per row ``[max_seqs]``), which ``Engine.stats``
+    reads. (The prefix cache and the copy counters still read a single-device paged cache's
+    ``.table``; a sharded cache runs without them.)
     """
 
     max_seqs: int

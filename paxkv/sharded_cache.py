@@ -225,6 +225,15 @@ class ShardedPagedCache:
             internal_fragmentation=jnp.where(
                 capacity > 0, 1.0 - filled / jnp.maximum(capacity, 1), 0.0).astype(jnp.float32))
 
+    def sharing_stats(self) -> pt.SharingStats:
+        """Who shares what (:func:`paxkv.page_table.sharing_stats` per shard): per-row fields
+        ``[max_seqs]`` in global row order, totals over all shards."""
+        s = jax.vmap(pt.sharing_stats)(self.tables)
+        return pt.SharingStats(pages_held=s.pages_held.reshape(-1),
+                               shared_held=s.shared_held.reshape(-1),
+                               row_references=jnp.sum(s.row_references),
+                               row_pages=jnp.sum(s.row_pages))
+
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                step: StepInfo, *, sm_scale: float | None = None,
                logit_soft_cap: float | None = None) -> tuple["ShardedPagedCache", jax.Array]:

@@ -97,10 +97,14 @@ def _engine_run(lm, cache, check: bool) -> dict:
         problems += shard_problems(engine.cache) if check else []
     out = dict(tokens=[results[i].token_ids for i in ids], steps=steps, problems=problems,
                preemptions=engine.counters.preemptions)
+    stats = engine.stats()  # reads the cache through its protocol (no .table on a sharded one)
+    out.update(stats_free=stats.free_pages, stats_num_pages=stats.num_pages,
+               stats_bytes_per_device=stats.kv_bytes_per_device)
     if check:
         c = engine.cache
         out.update(free=c.shard_free_pages().tolist(), pages_per_shard=c.pages_per_shard,
-                   engine_free=int(c.free_pages()))
+                   engine_free=int(c.free_pages()), bytes_per_device=c.kv_bytes_per_device,
+                   total_pages=c.total_pages)
     return out
 
 
@@ -242,6 +246,9 @@ def _check_engine_runs(found: dict, datas: list[int]) -> None:
         assert run["problems"] == [], run["problems"][:5]
         assert run["free"] == [run["pages_per_shard"]] * data
         assert run["engine_free"] == run["pages_per_shard"]
+        # Engine.stats on a sharded cache (it raised AttributeError: no .table): all shards.
+        assert run["stats_num_pages"] == run["stats_free"] == run["total_pages"]
+        assert run["stats_bytes_per_device"] == run["bytes_per_device"]
 
 
 @pytest.mark.slow  # three engine runs on 8 forced devices (~1-2 minutes)
