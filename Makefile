@@ -19,8 +19,9 @@ $(VENV)/.testing: $(VENV)/.runtime
 	touch $@
 
 # The demo keeps JAX's persistent compilation cache in .jax_cache/: a second run loads its
-# compiled steps instead of compiling them (README, "Compile once"). The tests do not: a
-# pytest-xdist worker segfaulted in jax 0.10.2's cache write here (experiments/LOG.md).
+# compiled steps instead of compiling them (README, "Compile once"). The tests do not need it.
+# (A worker's segfault inside XLA's compile, once blamed on the cache's write, was the process
+# running out of memory mappings: tests/conftest.py bounds them; experiments/LOG.md, 12-02.)
 demo: $(VENV)/.runtime
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache $(PY) -m experiments.demo
 

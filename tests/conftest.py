@@ -6,6 +6,7 @@ sessions' imports), so tests can use them freely.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 
 import jax
@@ -29,6 +30,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if {"lm", "hf"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+
+
+# Linux lets a process hold at most vm.max_map_count (65,530 here) memory mappings, and every
+# compiled executable keeps a few (XLA:CPU's JIT code): 50 interpret-mode Pallas kernel tests
+# add ~7,000. A pytest-xdist worker that ran half the suite segfaulted inside XLA's compile
+# twice on 12-02 (a failed mmap); clearing JAX's caches frees them (3,529 -> 613 mappings).
+MAX_MAPPINGS = 30_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_mappings():
+    """After each test module, drops JAX's compiled executables if the process holds more than
+    :data:`MAX_MAPPINGS` memory mappings (later modules then recompile what they need)."""
+    yield
+    if _mappings() > MAX_MAPPINGS:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
