@@ -7,7 +7,7 @@
 One run, every dtype measured alike:
 
 * **bytes per token**: K + V of one token over all layers, the scales of int8 / fp8 included
-  (``paxkv.accounting.kv_bytes_per_page`` of a paged cache / page size).
+  (``kv_bytes_per_page`` of a paged cache / page size).
 * **capacity**: tokens and sequences that fit the capacity experiment's fixed budget
   (``experiments.capacity``: 3 sequences x max_len 2,048 of float32 K/V = 6,144 float32 token
   slots, in bytes); sequences = tokens / the mean page-rounded length (prompt + output) of
@@ -39,7 +39,7 @@ import numpy as np
 from experiments import capacity
 from experiments.common import cpu_seconds, print_table, record, timed_rounds, write_json
 from experiments.hashed_kv import PAGE_SIZE, decode, filled_cache, kv_bytes, window_plan
-from paxkv import accounting, models, paged_cache
+from paxkv import models, paged_cache
 from paxkv.step_info import StepInfo
 
 TARGETS = dict(int8_vs_bf16_tokens=1.85, int8_vs_f32_tokens=3.7, ppl_pct=0.5, top1=0.98,
@@ -117,7 +117,7 @@ def bytes_per_token(lm, dtype: str) -> float:
                                head_dim=lm.head_dim, num_pages=1, page_size=PAGE_SIZE,
                                max_seqs=1, max_len=PAGE_SIZE, dtype=jnp.dtype(dtype),
                                attention_impl="xla")
-    return accounting.kv_bytes_per_page(cache) / PAGE_SIZE
+    return cache.kv_bytes_per_page / PAGE_SIZE
 
 
 def capacity_fit(lm, dtypes: list[str]) -> dict[str, Any]:

@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 
-from paxkv import page_table as pt
 
 # One jitted read of a page-sharing cache's accounting (any KVCache with ``stats`` and
 # ``sharing_stats``: the paged cache, the sharded one).
@@ -106,30 +105,14 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
                    evictions=index.evicted) if index is not None else
               dict(cached_pages=0, prefix_lookup_tokens=0, prefix_hit_tokens=0,
                    prefix_hit_rate=0.0, evictions=0))
-    num_pages = getattr(cache, "total_pages", cache.num_pages)  # a sharded cache: all shards
+    num_pages = cache.total_pages
     return EngineStats(
         num_pages=num_pages, free_pages=num_pages - used, used_pages=used,
         shared_pages=shared, row_references=refs, row_pages=distinct,
         cow_copies=ops.cow_copies, prefill_tokens=counters.prefill_tokens,
         decode_tokens=counters.decode_tokens, peak_pages_used=ops.peak_used,
         peak_running=counters.peak_running, preemptions=counters.preemptions, **counts,
-        kv_bytes_per_page=kv_bytes_per_page(cache),
-        kv_bytes_per_device=getattr(cache, "kv_bytes_per_device", kv_bytes(cache)),
+        kv_bytes_per_page=cache.kv_bytes_per_page,
+        kv_bytes_per_device=cache.kv_bytes_per_device,
         sequences=seqs)
 
-
-def kv_bytes(cache: Any) -> int:
-    """Every K/V byte the cache holds (scales and sentinel pages included)."""
-    if hasattr(cache, "pools"):  # sharded: every shard's pool
-        return cache.pools.nbytes
-    leaves = cache.pool.arrays() if hasattr(cache, "pool") else cache.arrays()
-    return sum(x.nbytes for x in leaves)
-
-
-def kv_bytes_per_page(cache: Any) -> int:
-    """K + V bytes of one page over all layers (a dense cache: one row), the scales of an
-    int8 / fp8 cache included."""
-    if hasattr(cache, "pools"):  # each shard has its own sentinel page
-        return kv_bytes(cache) // (cache.num_shards * (cache.pages_per_shard + 1))
-    slots = cache.num_pages + 1 if hasattr(cache, "pool") else cache.num_pages
-    return kv_bytes(cache) // slots

@@ -1,7 +1,16 @@
 """Bucketing rules: the few sizes a changing count is rounded to, so a handful of shapes
-compile instead of one per count. Every rounding in paxkv goes through one of these."""
+compile instead of one per count. Every rounding in paxkv goes through one of these, and
+:data:`COMPILE_TOKENS` prices one more compiled shape against the padding it would save."""
 
 from __future__ import annotations
+
+# What compiling one more step shape costs, in tokens of step work: the one price both shape
+# planners use (:class:`paxkv.policy.Shapes` for prefill calls, ``scoring.batches`` for child
+# steps). SmolLM2-135M on 2 CPU cores compiles a step in 1.5-5 s, about half a full 4,096-token
+# prefill call; without the price the scoring planner compiled 15 child shapes for a 48-question
+# workload that runs each once. On a GPU a token is far cheaper than a compile: pass a larger
+# ``Shapes(buy=...)``.
+COMPILE_TOKENS = 2048
 
 
 def cdiv(a: int, b: int) -> int:

@@ -72,6 +72,20 @@ class DenseCache:
     def num_pages(self) -> int:
         return self.max_seqs
 
+    @property
+    def total_pages(self) -> int:
+        return self.max_seqs
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        """K + V bytes of one row (its "page") over all layers, scales included."""
+        return self.kv_bytes_per_device // self.max_seqs
+
+    @property
+    def kv_bytes_per_device(self) -> int:
+        """Every K/V byte (one device holds it all)."""
+        return sum(x.nbytes for x in self.arrays())
+
     def arrays(self) -> tuple[jax.Array, ...]:
         """Every per-row K/V array (row axis 1): ``(k, v)``, plus ``scales`` when scaled."""
         return (self.k, self.v) if self.scales is None else (self.k, self.v, self.scales)

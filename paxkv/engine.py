@@ -60,7 +60,7 @@ class Engine:
         (:class:`paxkv.policy.Growth`; ``Growth(start=0, floor=0)`` admits whatever fits now).
       shapes: which prefill shapes compile (:class:`paxkv.policy.Shapes`: a call runs padded
         in a compiled wider shape until the padding has cost ``buy`` tokens, default
-        ``prefill_tokens // 2``; ``Shapes(buy=0)`` compiles every call's own shape).
+        :data:`paxkv.buckets.COMPILE_TOKENS`; ``Shapes(buy=0)`` compiles every call's own shape).
     """
 
     def __init__(self, model: Any, *, cache: str | KVCache = "paged", max_seqs: int = 32,

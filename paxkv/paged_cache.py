@@ -83,6 +83,21 @@ class PagedCache:
     def num_pages(self) -> int:
         return self.table.num_pages
 
+    @property
+    def total_pages(self) -> int:
+        return self.table.num_pages
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        """K + V bytes of one page over all layers, scales included (the pool has one
+        sentinel page past ``num_pages``)."""
+        return self.pool.nbytes // (self.num_pages + 1)
+
+    @property
+    def kv_bytes_per_device(self) -> int:
+        """Every pool byte (one device holds it all)."""
+        return self.pool.nbytes
+
     def reserve(self, num_new: jax.Array, *, max_new: int) -> tuple["PagedCache", jax.Array]:
         """Room for ``num_new`` int32 ``[max_seqs]`` more tokens; ``ok`` bool ``[max_seqs]``."""
         table, update, ok = pt.reserve(self.table, num_new, max_new=max_new)

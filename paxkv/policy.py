@@ -110,10 +110,11 @@ class Shapes:
     until the padding paid in place of its own shape passes ``buy`` tokens; then its own shape
     compiles. That is the ski-rental rule: it never pays more than twice the better of "always
     compile" and "always pad" in hindsight, and a workload of a few calls compiles a few shapes
-    where fine buckets would compile one per length class. ``buy=0`` compiles every tight shape.
+    where fine buckets would compile one per length class. ``buy=0`` compiles every tight shape;
+    the default is :data:`paxkv.buckets.COMPILE_TOKENS`.
     """
 
-    buy: int = 4096
+    buy: int = buckets.COMPILE_TOKENS
     owned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     rent: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     plans: dict[tuple[int, int], list[AttentionPlan]] = dataclasses.field(default_factory=dict)

@@ -35,9 +35,13 @@ from paxkv.step_info import StepInfo
 class KVCache(Protocol):
     """A pytree holding K/V for ``max_seqs`` rows (sequences) of at most ``max_len`` tokens.
 
-    Static sizes (Python ints under jit): ``max_seqs``, ``max_len``, ``page_size`` (a dense
-    cache's page is a whole row: ``max_len``), ``num_pages`` (dense: ``max_seqs``);
-    ``shares_pages``: whether rows can hold the same pages (paged: True; a dense fork copies).
+    Static sizes (Python ints under jit, read from shapes, so valid after donation):
+    ``max_seqs``, ``max_len``, ``page_size`` (a dense cache's page is a whole row:
+    ``max_len``), ``num_pages`` (pages one row can draw on; dense: ``max_seqs``),
+    ``total_pages`` (every page: a sharded cache counts all shards), ``kv_bytes_per_page``
+    (K + V of one page over all layers, 8-bit scales included), ``kv_bytes_per_device`` (the
+    K/V bytes one device holds); ``shares_pages``: whether rows can hold the same pages
+    (paged: True; a dense fork copies).
     A cache that shares pages also gives ``sharing_stats() ->``
     :class:`paxkv.page_table.SharingStats` (per row ``[max_seqs]``), which ``Engine.stats``
     reads. (The prefix cache and the copy counters still read a single-device paged cache's
@@ -48,6 +52,9 @@ class KVCache(Protocol):
     max_len: int
     page_size: int
     num_pages: int
+    total_pages: int
+    kv_bytes_per_page: int
+    kv_bytes_per_device: int
     shares_pages: bool
 
     @property

@@ -36,9 +36,8 @@ class Scheduler:
     def __init__(self, life: Lifecycle, *, prefill_chunk: int, prefill_tokens: int,
                  shapes: policy.Shapes | None = None):
         self.life = life
-        # A compile costs about half a full prefill call on a CPU (5 s against 11 s for 8 x 512
-        # tokens of SmolLM2-135M on 2 cores): rent a wider shape until that much is padded.
-        self.shapes = shapes if shapes is not None else policy.Shapes(buy=prefill_tokens // 2)
+        # Rent a wider shape until a compile's price (buckets.COMPILE_TOKENS) is padded.
+        self.shapes = shapes if shapes is not None else policy.Shapes()
         self.model, self.table, self.rows, self.ops = life.model, life.table, life.rows, life.ops
         self.prefixes, self.counters, self.growth = life.prefixes, life.counters, life.growth
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens

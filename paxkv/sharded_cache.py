@@ -108,6 +108,12 @@ class ShardedPagedCache:
         return self.num_shards * self.pages_per_shard
 
     @property
+    def kv_bytes_per_page(self) -> int:
+        """K + V bytes of one page over all layers, scales included (each shard's pool has
+        its own sentinel page)."""
+        return self.pools.nbytes // (self.num_shards * (self.pages_per_shard + 1))
+
+    @property
     def kv_bytes_per_device(self) -> int:
         """Pool bytes (K, V and scales, sentinels included) each device holds: ``1 / (data x
         model)`` of the pool, from shapes alone (valid under jit, and after donation)."""

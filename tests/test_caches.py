@@ -286,3 +286,21 @@ def test_eager_and_jitted_cache_ops_agree(kind):
     ]
     for eager, jitted in cases:
         _assert_trees_close(eager(), jitted())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
+def test_caches_report_their_sizes_through_the_protocol(dtype):
+    """``total_pages`` and the byte counts are part of :class:`paxkv.protocol.KVCache` (the
+    engine's accounting reads nothing else): a paged page and a dense row hold the same bytes
+    per token, 8-bit scales included, and the whole cache is on one device."""
+    sizes = dict(num_layers=NUM_LAYERS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    paged = paged_cache.create(**sizes, num_pages=NUM_PAGES, page_size=PAGE_SIZE,
+                               max_seqs=MAX_SEQS, max_len=MAX_LEN, dtype=dtype)
+    dense = dense_cache.create(**sizes, max_seqs=MAX_SEQS, max_len=MAX_LEN, dtype=dtype)
+    per_token = 2 * NUM_LAYERS * NUM_KV_HEADS * (HEAD_DIM * jnp.dtype(dtype).itemsize
+                                                  + (4 if dtype == jnp.int8 else 0))
+    assert paged.total_pages == NUM_PAGES and dense.total_pages == MAX_SEQS
+    assert paged.kv_bytes_per_page == PAGE_SIZE * per_token
+    assert dense.kv_bytes_per_page == MAX_LEN * per_token
+    assert paged.kv_bytes_per_device == (NUM_PAGES + 1) * PAGE_SIZE * per_token  # + sentinel
+    assert dense.kv_bytes_per_device == MAX_SEQS * MAX_LEN * per_token

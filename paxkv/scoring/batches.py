@@ -85,12 +85,6 @@ def context_step(batch: Sequence[ContextRow], t: int, pairs: Sequence[Pair], max
 STEP_TOKENS = 64
 
 
-# What compiling one more step shape costs, in tokens of work (3-5 s on this CPU, about half
-# a full 4,096-token prefill call: see paxkv.policy.Shapes). Without it the planner chose 15
-# child shapes for the 48-question multiple-choice workload, where a single pass pays each.
-COMPILE_TOKENS = 2048
-
-
 def child_groups(lefts: Sequence[int], cap: int, max_rows: int, budget: int,
                  compiled: set[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
     """Splits child rows into steps: ``lefts`` (tokens each still feeds, longest first) ->
@@ -99,7 +93,7 @@ def child_groups(lefts: Sequence[int], cap: int, max_rows: int, budget: int,
     A step's shape is ``pow2(rows) x pow2(longest left)`` (width 4 .. ``cap``, rows at most
     ``max_rows`` and ``budget // width``): one step for 32 continuations of 2-20 tokens is
     32 x 32 = 1,024 tokens for ~350 real ones; steps of like lengths pad far less, at
-    :data:`STEP_TOKENS` per extra step and :data:`COMPILE_TOKENS` per shape not in
+    :data:`STEP_TOKENS` per extra step and :data:`paxkv.buckets.COMPILE_TOKENS` per shape not in
     ``compiled`` (which the chosen shapes join). A shortest path over the sorted rows (a batch
     of children is at most the cache's rows: O(n^2) on the host)."""
     compiled = set() if compiled is None else compiled
@@ -113,7 +107,7 @@ def child_groups(lefts: Sequence[int], cap: int, max_rows: int, budget: int,
                 break
             shape = (buckets.pow2(end - start), t)
             cost = (best[start] + shape[0] * t + STEP_TOKENS
-                    + (0 if shape in compiled else COMPILE_TOKENS))
+                    + (0 if shape in compiled else buckets.COMPILE_TOKENS))
             if cost < best[end]:
                 best[end], cut[end] = cost, start
     groups, end = [], n
