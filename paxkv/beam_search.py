@@ -34,11 +34,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv import dense_cache, paged_cache
+from jax.sharding import Mesh
+
+from paxkv import dense_cache, mesh as pmesh, paged_cache, sharded_cache
 from paxkv.attention.plan import NO_PLAN, AttentionPlan
 from paxkv.beam_select import Beams, select
 from paxkv.buckets import cdiv, prefix_bucket
-from paxkv.protocol import KVCache, check_model
+from paxkv.cache_ops import place_model
+from paxkv.page_table import PageTable
+from paxkv.protocol import KVCache, check_model, shard_free_pages
+from paxkv.sharded_cache import ShardedPagedCache
 from paxkv.sampling import SamplingParams
 from paxkv.step_info import StepInfo
 
@@ -74,15 +79,21 @@ class SearchResult:
 
 
 def _pages_used(cache: KVCache) -> jax.Array:
-    """int32 ``[]``: pages held (dense: rows, each ``max_len`` slots)."""
-    return cache.num_pages - cache.free_pages()
+    """int32 ``[]``: pages held over every shard (dense: rows, each ``max_len`` slots)."""
+    return cache.total_pages - jnp.sum(shard_free_pages(cache))
 
 
 def _stale(cache: KVCache) -> jax.Array:
-    """int32 ``[]``: pages with a reference but no live row pointing at them (0 if dense)."""
+    """int32 ``[]``: pages with a reference but no live row pointing at them (0 if dense),
+    summed over a sharded cache's shards."""
     if not cache.shares_pages:
         return jnp.zeros((), jnp.int32)
-    table = cache.table
+    if isinstance(cache, ShardedPagedCache):
+        return jnp.sum(jax.vmap(_stale_pages)(cache.tables))
+    return _stale_pages(cache.table)
+
+
+def _stale_pages(table: PageTable) -> jax.Array:
     seen = jnp.zeros((table.num_pages + 1,), bool).at[table.block_tables].set(True)
     return jnp.sum(table.ref_counts > 0) - jnp.sum(seen[: table.num_pages])
 
@@ -147,7 +158,18 @@ def _search(forward, params, cache, logp0, stop_ids, length_penalty, early, *,
     return cache, beams, stats
 
 
-def _check(beam_width, max_new_tokens, early_stopping, cache, page_size) -> None:
+def _make_cache(cache: str, mesh: Mesh | None, num_pages: int, page_size: int,
+                attention_impl: str, **dims: Any) -> KVCache:
+    """The search's cache: paged (sharded over ``mesh``'s data axis when given) or dense."""
+    if cache == "dense":
+        return dense_cache.create(**dims)
+    paged = dict(num_pages=num_pages, page_size=page_size, attention_impl=attention_impl,
+                 **dims)
+    return (sharded_cache.create(mesh=mesh, **paged) if mesh is not None
+            else paged_cache.create(**paged))
+
+
+def _check(beam_width, max_new_tokens, early_stopping, cache, page_size, mesh=None) -> None:
     for name, v in (("beam_width", beam_width), ("max_new_tokens", max_new_tokens),
                     ("page_size", page_size)):
         if not isinstance(v, int) or v < 1:
@@ -156,20 +178,30 @@ def _check(beam_width, max_new_tokens, early_stopping, cache, page_size) -> None
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     if cache not in ("paged", "dense"):
         raise ValueError(f"cache must be 'paged' or 'dense', got {cache!r}")
+    if mesh is not None and cache != "paged":
+        raise ValueError("mesh= needs cache='paged': the dense cache runs on one device")
 
 
 def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
            max_new_tokens: int, length_penalty: float = 1.0, early_stopping: bool | str = False,
            stop_token_ids: Sequence[int] | None = None, cache: str = "paged",
            page_size: int = 16, attention_impl: str = "auto",
-           kv_dtype: Any = jnp.float32) -> SearchResult:
+           kv_dtype: Any = jnp.float32, mesh: Mesh | None = None) -> SearchResult:
     """Beam search for one batch of prompts (rows = prompts x beams); see :func:`beam_search`.
 
     The paged pool holds ``ceil(T / page_size) + W * (ceil(N / page_size) + 1)`` pages per
-    prompt (``T``: the prompt bucket): the worst case, whatever the beams share.
+    prompt (``T``: the prompt bucket): the worst case, whatever the beams share. On a
+    ``mesh`` the batch is padded with copies of its first prompt to a multiple of the data
+    axis, so every shard holds whole prompts (a prompt's beams fork and reorder within their
+    shard); the copies' beams are dropped.
     """
-    _check(beam_width, max_new_tokens, early_stopping, cache, page_size)
+    _check(beam_width, max_new_tokens, early_stopping, cache, page_size, mesh)
     check_model(lm)
+    asked = len(prompt_ids)
+    if mesh is not None:
+        data, _ = pmesh.axis_sizes(mesh)
+        prompt_ids = list(prompt_ids) + [prompt_ids[0]] * (-asked % data)
+        lm = place_model(lm, mesh)
     p, w, n, ps = len(prompt_ids), beam_width, max_new_tokens, page_size
     stops = tuple(SamplingParams(stop_token_ids=stop_token_ids).stops(lm))
     lens = [len(x) for x in prompt_ids]
@@ -181,8 +213,7 @@ def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
     dims = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
                 max_seqs=p * w, max_len=max_len, dtype=kv_dtype)
     num_pages = p * (cdiv(width, ps) + w * (cdiv(n, ps) + 1))
-    kv = (paged_cache.create(num_pages=num_pages, page_size=ps, attention_impl=attention_impl,
-                             **dims) if cache == "paged" else dense_cache.create(**dims))
+    kv = _make_cache(cache, mesh, num_pages, ps, attention_impl, **dims)
     plan = NO_PLAN
     if cache == "paged" and p == 1:  # every beam starts with the prompt's pages: read them once
         plan = AttentionPlan(prefix_pages=prefix_bucket(lens[0] // ps))
@@ -199,23 +230,24 @@ def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
     stats, loop_s = np.asarray(stats), time.perf_counter() - mid
     if stats[4]:
         raise RuntimeError("beam search ran out of KV pages (a bug in pool sizing)")
-    all_free = not bool(jnp.any(kv.active)) and int(kv.free_pages()) == kv.num_pages
+    all_free = not bool(jnp.any(kv.active)) and int(_pages_used(kv)) == 0
     per_page = kv.page_size // ps  # a dense "page" is a row of max_len slots
     toks, scores, flens, fin = (np.asarray(a) for a in (
         beams.fin_tokens, beams.fin_scores, beams.fin_lens, beams.is_fin))
     out = [[Beam([int(t) for t in toks[i, j, : flens[i, j]]], float(scores[i, j]))
-            for j in range(w) if fin[i, j]] for i in range(p)]
+            for j in range(w) if fin[i, j]] for i in range(asked)]
+    unshared = sum(w * cdiv(x + n, ps) for x in lens[:asked])
     return SearchResult(
-        out, int(stats[0]), int(stats[1]) * per_page, sum(w * cdiv(x + n, ps) for x in lens),
-        int(stats[2]) * per_page, int(stats[3]), all_free, kv.num_pages * per_page,
-        mid - start, loop_s)
+        out, int(stats[0]), int(stats[1]) * per_page, unshared, int(stats[2]) * per_page,
+        int(stats[3]), all_free, kv.total_pages * per_page, mid - start, loop_s)
 
 
 def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: int,
                 max_new_tokens: int, length_penalty: float = 1.0,
                 early_stopping: bool | str = False, stop_token_ids: Sequence[int] | None = None,
                 cache: str = "paged", page_size: int = 16, prompts_per_batch: int | None = None,
-                attention_impl: str = "auto", kv_dtype: Any = jnp.float32) -> list[list[Beam]]:
+                attention_impl: str = "auto", kv_dtype: Any = jnp.float32,
+                mesh: Mesh | None = None) -> list[list[Beam]]:
     """Beam search, HF-``generate(num_beams=beam_width)``-compatible, in one compiled loop.
 
     Args:
@@ -230,11 +262,14 @@ def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: 
       page_size: tokens per page (paged).
       prompts_per_batch: prompts searched together (rows = prompts x W); None = all at once.
       kv_dtype: K/V dtype (``jnp.bfloat16``, ``jnp.int8``: see :func:`paxkv.generate`).
+      mesh: a ``("data", "model")`` mesh (:func:`paxkv.mesh.make_mesh`) for the paged cache:
+        each batch's prompts split over ``data`` (padded to a multiple of it with copies whose
+        beams are dropped), kv heads and weights over ``model``. None: one device.
 
     Returns:
       Per prompt, its W best finished beams, best first.
     """
-    _check(beam_width, max_new_tokens, early_stopping, cache, page_size)
+    _check(beam_width, max_new_tokens, early_stopping, cache, page_size, mesh)
     if isinstance(prompts, (str, bytes)):
         raise TypeError("prompts must be a list of strings or of token-id lists")
     ids = [lm.encode(x) if isinstance(x, str) else [int(t) for t in x] for x in prompts]
@@ -247,5 +282,5 @@ def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: 
                       max_new_tokens=max_new_tokens, length_penalty=length_penalty,
                       early_stopping=early_stopping, stop_token_ids=stop_token_ids,
                       cache=cache, page_size=page_size, attention_impl=attention_impl,
-                      kv_dtype=kv_dtype).beams
+                      kv_dtype=kv_dtype, mesh=mesh).beams
     return out

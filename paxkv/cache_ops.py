@@ -2,9 +2,11 @@
 
 :class:`CacheOps` owns the cache between steps. Its methods run one compiled function each
 (the cache donated, so the pool is never copied) and keep two host-side counts current: free
-pages, and copy-on-write copies (probed around a step only once rows may share pages). Every
-array argument has a fixed width (:func:`pad`), so each operation compiles once per cache
-shape.
+pages per shard (:class:`paxkv.protocol.Shards`: a sharded cache's rows draw on their own
+shard's pages; every other cache is one shard), and copy-on-write copies (probed around a
+step only once rows may share pages). Every array argument has a fixed width (:func:`pad`), so
+each operation compiles once per cache shape. :func:`build_cache` makes the cache an engine
+asked for by name, on a mesh when given one.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv import buckets, dense_cache, paged_cache, steps
+from jax.sharding import Mesh, NamedSharding
+
+from paxkv import buckets, dense_cache, mesh as pmesh, paged_cache, sharded_cache, steps
 from paxkv import page_table as pt
+from paxkv import tensor_parallel
 from paxkv.attention.plan import AttentionPlan
-from paxkv.protocol import KVCache
+from paxkv.protocol import KVCache, shard_free_pages, shard_layout
 from paxkv.sampling import RowSampling
 
 
@@ -72,19 +77,37 @@ def shared_partial_pages(table: pt.PageTable) -> tuple[jax.Array, jax.Array]:
 
 
 @jax.jit
+def free_per_shard(cache: KVCache) -> jax.Array:
+    """int32 ``[num_shards]``: :func:`paxkv.protocol.shard_free_pages` (one dispatch)."""
+    return shard_free_pages(cache)
+
+
+@jax.jit
 def count_copies(table: pt.PageTable, cell: jax.Array, page: jax.Array) -> jax.Array:
     """After a step: rows whose shared partial page was replaced by a private copy."""
     now = jnp.take_along_axis(table.block_tables, cell[:, None], axis=1)[:, 0]
     return jnp.sum((page <= table.num_pages) & (now != page))
 
 
+# The same on a sharded cache's stacked tables (leaves ``[data, ...]``): per shard, summed.
+shard_partial_pages = jax.jit(jax.vmap(shared_partial_pages))
+shard_copies = jax.jit(lambda tables, cell, page: jnp.sum(jax.vmap(count_copies)(
+    tables, cell, page)))
+
+
 def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int, max_len: int,
                 page_size: int, num_pages: int | None, kv_dtype: Any, attention_impl: str,
-                scrub: bool) -> KVCache:
+                scrub: bool, mesh: Mesh | None = None) -> KVCache:
     """The cache an engine asked for by name ("paged" or "dense", sized for ``model``), or
     ``cache`` itself when it is already a :class:`KVCache`. ``num_pages`` defaults to the
-    dense reservation ``max_seqs * ceil(max_len / page_size)``."""
+    dense reservation ``max_seqs * ceil(max_len / page_size)``. With a ``("data", "model")``
+    ``mesh`` a paged cache is :func:`paxkv.sharded_cache.create`'s (``max_seqs`` and
+    ``num_pages`` split over the data axis, a ``ValueError`` naming sizes that fit
+    otherwise)."""
     if isinstance(cache, KVCache):
+        if mesh is not None:
+            raise ValueError("mesh= builds the cache by name: pass cache='paged' with it (a "
+                             "cache you built carries its own mesh: leave mesh out)")
         return cache
     max_seqs, max_len, page_size = (_size(n, v) for n, v in (
         ("max_seqs", max_seqs), ("max_len", max_len), ("page_size", page_size)))
@@ -92,12 +115,39 @@ def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int, max_len: int
     dims = dict(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
                 head_dim=model.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
     if cache == "paged":
-        return paged_cache.create(
-            num_pages=num_pages or max_seqs * buckets.cdiv(max_len, page_size),
-            page_size=page_size, scrub=scrub, attention_impl=attention_impl, **dims)
+        paged = dict(num_pages=num_pages or max_seqs * buckets.cdiv(max_len, page_size),
+                     page_size=page_size, scrub=scrub, attention_impl=attention_impl, **dims)
+        if mesh is not None:
+            return sharded_cache.create(mesh=mesh, **paged)
+        return paged_cache.create(**paged)
     if cache == "dense":
+        if mesh is not None:
+            raise ValueError("mesh= needs cache='paged': the dense cache runs on one device")
         return dense_cache.create(**dims)
     raise ValueError(f"cache must be 'paged', 'dense' or a KVCache, got {cache!r}")
+
+
+def place_model(model: Any, mesh: Mesh | None) -> Any:
+    """``model`` with its params on ``mesh`` (None: ``model`` unchanged): replicated on a
+    ``(data, 1)`` mesh, split by :data:`paxkv.tensor_parallel.LLAMA_RULES` on a model axis,
+    kept as they are when every leaf already lies on the mesh's devices (a model of your own
+    placed with your own rules: :func:`paxkv.tensor_parallel.shard_model`). Placed once here,
+    no weight moves inside a step."""
+    if mesh is None:
+        return model
+    _, width = pmesh.axis_sizes(mesh)
+    leaves = jax.tree.leaves(model.params)
+    if leaves and all(isinstance(getattr(x, "sharding", None), NamedSharding)
+                      and x.sharding.device_set == set(mesh.devices.flat) for x in leaves):
+        return model
+    rules = tensor_parallel.LLAMA_RULES if width > 1 else ()  # () replicates every leaf
+    try:
+        return tensor_parallel.shard_model(model, mesh, rules)
+    except ValueError as e:
+        raise ValueError(f"mesh= with a model axis of {width} splits the weights by "
+                         f"paxkv.tensor_parallel.LLAMA_RULES, which do not fit this model ({e}):"
+                         " place them first with paxkv.tensor_parallel.shard_model(model, mesh, "
+                         "rules), or use a (data, 1) mesh") from e
 
 
 def _size(name: str, value: Any) -> int:
@@ -113,13 +163,14 @@ def _size(name: str, value: Any) -> int:
 
 
 class CacheOps:
-    """The cache, its free-page count and its copy-on-write count, changed only through the
-    jitted operations below."""
+    """The cache, its free-page counts (per shard) and its copy-on-write count, changed only
+    through the jitted operations below."""
 
     def __init__(self, cache: KVCache, max_len: int | None = None):
         self.cache = cache
         self.max_len = cache.max_len if max_len is None else min(max_len, cache.max_len)
-        self.free = cache.num_pages
+        self.num_shards, self.rows_per_shard = shard_layout(cache)
+        self.shard_free = np.full(self.num_shards, cache.num_pages, np.int64)  # [num_shards]
         self.peak_used = 0
         self.cow_copies = 0
         self.shares = False  # rows may share a partly filled page: probe steps for copies
@@ -128,14 +179,40 @@ class CacheOps:
     def max_seqs(self) -> int:
         return self.cache.max_seqs
 
+    @property
+    def free(self) -> int:
+        """Free pages over every shard (a one-shard cache's count)."""
+        return int(self.shard_free.sum())
+
+    @free.setter
+    def free(self, value: int) -> None:
+        # NOTE: only callers blind to shards set the total (the prefix caches, the scorer):
+        # they run on one-shard caches.
+        if self.num_shards != 1:
+            raise RuntimeError("a sharded cache's free pages are counted per shard: use take()")
+        self.shard_free[0] = value
+
+    def shard_of(self, row: int) -> int:
+        """The shard whose pages row ``row`` draws on."""
+        return row // self.rows_per_shard
+
+    def take(self, row: int, pages: int) -> None:
+        """Books ``pages`` for a request just placed in ``row`` (its step reads the real
+        count)."""
+        self.shard_free[self.shard_of(row)] -= pages
+
     def reset_counts(self) -> None:
         """Restarts the peak and the copy count from now (a timed run after a warm-up)."""
-        self.peak_used = self.cache.num_pages - self.free
+        self.peak_used = self.cache.total_pages - self.free
         self.cow_copies = 0
 
-    def _note_free(self, free: int) -> None:
-        self.free = free
-        self.peak_used = max(self.peak_used, self.cache.num_pages - free)
+    def _note_free(self, free: int | None) -> None:
+        """``free``: a one-shard cache's count from its step; None reads every shard's."""
+        if free is not None and self.num_shards == 1:
+            self.shard_free[0] = free
+        else:
+            self.shard_free = np.asarray(free_per_shard(self.cache), np.int64)
+        self.peak_used = max(self.peak_used, self.cache.total_pages - self.free)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raises a ``ValueError`` naming what to change when a request of ``prompt_len`` +
@@ -151,7 +228,7 @@ class CacheOps:
                              f"has num_pages={cache.num_pages}: raise it")
 
     def refresh_free(self) -> None:
-        self._note_free(int(self.cache.free_pages()))
+        self._note_free(int(self.cache.free_pages()) if self.num_shards == 1 else None)
 
     def attach(self, row: int, pages: Sequence[int], num_tokens: int) -> None:
         """Row ``row`` holds ``pages`` (a prefix-cache hit) for ``num_tokens`` tokens."""
@@ -188,13 +265,20 @@ class CacheOps:
         self.cache, _ = release_rows(self.cache, jnp.asarray(mask))
         self.refresh_free()
 
-    def _probed(self, run: Any) -> tuple[Any, ...]:
-        probe = (shared_partial_pages(self.cache.table)
-                 if self.shares and self.cache.shares_pages else None)
+    def run_step(self, run: Any) -> tuple[Any, ...]:
+        """``run()``, a jitted step returning ``(cache, *out, free_pages)``: keeps the cache,
+        the free counts and the copy-on-write count (probed around the step once rows may
+        share a partly filled page); returns ``out`` as numpy."""
+        sharded = isinstance(self.cache, sharded_cache.ShardedPagedCache)
+        probe = None
+        if self.shares and self.cache.shares_pages:
+            probe = (shard_partial_pages(self.cache.tables) if sharded
+                     else shared_partial_pages(self.cache.table))
         self.cache, *out, free = run()
-        self._note_free(int(free))
+        self._note_free(int(free) if self.num_shards == 1 else None)
         if probe is not None:
-            self.cow_copies += int(count_copies(self.cache.table, *probe))
+            self.cow_copies += int(shard_copies(self.cache.tables, *probe) if sharded
+                                   else count_copies(self.cache.table, *probe))
         return tuple(jax.tree.map(np.asarray, x) for x in out)
 
     def prefill(self, model: Any, tokens: np.ndarray, rows: np.ndarray, query_lengths: np.ndarray,
@@ -202,7 +286,7 @@ class CacheOps:
                 logprobs: int | None = None) -> tuple[Any, np.ndarray]:
         """:func:`paxkv.steps.prefill_step` -> ``(next_tokens [b], ok [b])`` as numpy (with
         ``logprobs``, ``next_tokens`` is a :class:`paxkv.sampling.Sampled` of numpy arrays)."""
-        return self._probed(lambda: steps.prefill_step(
+        return self.run_step(lambda: steps.prefill_step(
             model.forward, model.params, self.cache, jnp.asarray(tokens), jnp.asarray(rows),
             jnp.asarray(query_lengths), sampling, plan=plan, logprobs=logprobs))
 
@@ -211,6 +295,6 @@ class CacheOps:
                logprobs: int | None = None) -> tuple[Any, np.ndarray]:
         """:func:`paxkv.steps.decode_step` over every row -> ``(next_tokens, ok)``
         ``[max_seqs]`` as numpy (``logprobs``: as :meth:`prefill`)."""
-        return self._probed(lambda: steps.decode_step(
+        return self.run_step(lambda: steps.decode_step(
             model.forward, model.params, self.cache, jnp.asarray(last_tokens),
             jnp.asarray(live), sampling, plan=plan, logprobs=logprobs))

@@ -23,14 +23,15 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from paxkv import accounting
 from paxkv.accounting import Counters, EngineStats, SequenceStats
-from paxkv.cache_ops import CacheOps, build_cache
+from paxkv.cache_ops import CacheOps, build_cache, place_model
 from paxkv.lifecycle import Lifecycle
 from paxkv.policy import Growth, Shapes
 from paxkv.prefix_sharing import SharedPrefixes
-from paxkv.protocol import KVCache, check_model
+from paxkv.protocol import KVCache, check_model, shard_layout
 from paxkv.requests import GenerationResult, Request, RequestTable, StepOutput
 from paxkv.rows import RowState
 from paxkv.sampling import SamplingParams
@@ -61,6 +62,11 @@ class Engine:
       shapes: which prefill shapes compile (:class:`paxkv.policy.Shapes`: a call runs padded
         in a compiled wider shape until the padding has cost ``buy`` tokens, default
         :data:`paxkv.buckets.COMPILE_TOKENS`; ``Shapes(buy=0)`` compiles every call's own shape).
+      mesh: a ``("data", "model")`` :class:`jax.sharding.Mesh` (:func:`paxkv.mesh.make_mesh`)
+        for ``cache="paged"``: rows and pages split over ``data`` (``max_seqs`` and
+        ``num_pages`` must divide by it; :mod:`paxkv.sharded_cache`), each request placed in
+        the least-loaded shard; kv heads and the weights split over ``model``
+        (:func:`paxkv.cache_ops.place_model`). No prefix cache on a mesh. None: one device.
     """
 
     def __init__(self, model: Any, *, cache: str | KVCache = "paged", max_seqs: int = 32,
@@ -68,17 +74,20 @@ class Engine:
                  kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
                  prefill_chunk: int = 512, prefill_tokens: int = 4096, scrub: bool = True,
                  prefix_cache: bool | None = None, growth: Growth | None = None,
-                 shapes: Shapes | None = None):
+                 shapes: Shapes | None = None, mesh: Mesh | None = None):
         check_model(model)
         kv = build_cache(model, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
                          num_pages=num_pages, kv_dtype=kv_dtype,
-                         attention_impl=attention_impl, scrub=scrub)
-        if prefix_cache and not kv.shares_pages:
-            raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared)")
-        self.model = model
+                         attention_impl=attention_impl, scrub=scrub, mesh=mesh)
+        indexable = kv.shares_pages and shard_layout(kv)[0] == 1
+        if prefix_cache and not indexable:
+            raise ValueError("prefix_cache needs a one-device paged cache (a dense row cannot "
+                             "be shared; a sharded cache runs without it): pass "
+                             "prefix_cache=False")
+        self.model = place_model(model, mesh)
         self.table = RequestTable(kv.max_seqs)
         self.ops = CacheOps(kv, None if isinstance(cache, KVCache) else max_len)
-        use_index = kv.shares_pages if prefix_cache is None else prefix_cache
+        use_index = indexable if prefix_cache is None else prefix_cache
         self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
         self.counters = Counters()
         self.lifecycle = Lifecycle(model, self.table, RowState(self.table), self.ops,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from paxkv.buckets import cdiv
 from paxkv.compiled_loop import run_fixed_batch
@@ -43,8 +44,8 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
              cache: str = "paged",
              page_size: int = 16, num_pages: int | None = None, max_seqs: int = 32,
              max_len: int | None = None, loop: str = "python", attention_impl: str = "auto",
-             kv_dtype: Any = jnp.float32, prefix_cache: bool | None = None
-             ) -> list[GenerationResult]:
+             kv_dtype: Any = jnp.float32, prefix_cache: bool | None = None,
+             mesh: Mesh | None = None) -> list[GenerationResult]:
     """Generates a continuation for every prompt.
 
     Args:
@@ -69,6 +70,9 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
         are within its rounding.
       prefix_cache: reuse cached pages of identical prompt prefixes (default: on for a paged
         cache; tokens are the same either way).
+      mesh: a ``("data", "model")`` mesh (:func:`paxkv.mesh.make_mesh`): the paged cache's rows
+        and pages split over ``data`` (``max_seqs`` and ``num_pages`` must divide by it), kv
+        heads and weights over ``model``; see :class:`paxkv.Engine`. None: one device.
 
     Returns:
       One :class:`paxkv.GenerationResult` per prompt, in order; ``num_cached_tokens`` counts
@@ -92,7 +96,7 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
     max_len = max_len or cdiv(longest, page_size) * page_size
     engine = Engine(lm, cache=cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
                     num_pages=num_pages, kv_dtype=kv_dtype, attention_impl=attention_impl,
-                    prefix_cache=prefix_cache)
+                    prefix_cache=prefix_cache, mesh=mesh)
     rids = [engine.submit(x, p) for x in ids]
     results = engine.run() if loop == "python" else run_fixed_batch(engine)
     return [results[r] for r in rids]

@@ -78,9 +78,9 @@ class Lifecycle:
         return children
 
     def branch(self, parent: Request, children: list[Request]) -> None:
-        """Child 0 takes over the parent's row; the others fork into free rows sharing its pages
-        (no KV moves; each child's first decode feeds the pending last token). Children left
-        without a row wait at the queue front and are recomputed."""
+        """Child 0 takes over the parent's row; the others fork into free rows of the parent's
+        shard sharing its pages (no KV moves; each child's first decode feeds the pending last
+        token). Children left without a row wait at the queue front and are recomputed."""
         if parent.finish_reason is None:
             parent.finish_reason = "forked"
         if parent.row is None or not parent.cached:
@@ -88,7 +88,9 @@ class Lifecycle:
             self.table.waiting.extendleft(reversed(children))
             return
         row, cached = parent.row, parent.cached
-        kids = self.table.free_rows()[:len(children) - 1]
+        shard = self.ops.shard_of(row)  # pages are shared only within a shard
+        kids = [r for r in self.table.free_rows()
+                if self.ops.shard_of(r) == shard][:len(children) - 1]
         self.ops.fork(row, kids)
         if kids and not self.ops.cache.shares_pages:
             self.ops.refresh_free()  # a dense fork fills a free row

@@ -10,6 +10,8 @@ import dataclasses
 import math
 from typing import Sequence
 
+import numpy as np
+
 from paxkv import buckets
 from paxkv.attention.plan import AttentionPlan
 from paxkv.requests import Request
@@ -87,6 +89,37 @@ def decode_width(num_live: int, max_seqs: int) -> int:
     """Rows of a decode call with ``num_live`` live rows: a power of two >= 8; the whole cache
     (``max_seqs``) runs as the plain decode step."""
     return buckets.pow2(num_live, 8, max_seqs)
+
+
+def tokens_to_write(req: Request) -> int:
+    """Tokens ``req`` will still write to its row: prompt tokens not yet prefilled and tokens
+    still to generate (the last generated token is never fed, so never written)."""
+    return max(0, len(req.prompt_ids) + req.max_new_tokens - 1 - req.cached)
+
+
+def queued_tokens(running: Sequence[Request], rows_per_shard: int,
+                  num_shards: int) -> np.ndarray:
+    """int64 ``[num_shards]``: :func:`tokens_to_write` summed over each shard's ``running``
+    requests (row ``r`` in shard ``r // rows_per_shard``): the load
+    :func:`paxkv.shard_routing.pick_row` weighs."""
+    out = np.zeros(num_shards, np.int64)
+    for r in running:
+        out[r.row // rows_per_shard] += tokens_to_write(r)
+    return out
+
+
+def preemption_victims(running: Sequence[Request], failed_rows: Sequence[int],
+                       rows_per_shard: int, page_size: int, cached: bool) -> list[Request]:
+    """The requests to preempt after a decode step whose ``failed_rows`` found no page: one
+    per shard that ran dry, chosen by :func:`preemption_victim` among that shard's own
+    ``running`` requests only (another shard's pages would not help it). Lowest shard
+    first."""
+    victims = []
+    for shard in sorted({int(row) // rows_per_shard for row in failed_rows}):
+        mine = [r for r in running if r.row // rows_per_shard == shard]
+        if mine:
+            victims.append(preemption_victim(mine, page_size, cached))
+    return victims
 
 
 def preemption_victim(running: Sequence[Request], page_size: int, cached: bool) -> Request:

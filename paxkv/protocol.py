@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 from paxkv.step_info import StepInfo
 
@@ -45,7 +46,8 @@ class KVCache(Protocol):
     A cache that shares pages also gives ``sharing_stats() ->``
     :class:`paxkv.page_table.SharingStats` (per row ``[max_seqs]``), which ``Engine.stats``
     reads. (The prefix cache and the copy counters still read a single-device paged cache's
-    ``.table``; a sharded cache runs without them.)
+    ``.table``; a sharded cache runs without them.) A cache whose rows draw on separate page
+    pools also implements :class:`Shards`; any other cache is one shard.
     """
 
     max_seqs: int
@@ -113,6 +115,40 @@ class KVCache(Protocol):
     def stats(self) -> Any:
         """Occupancy accounting (a pytree of scalars; see each cache)."""
         ...
+
+
+@runtime_checkable
+class Shards(Protocol):
+    """How a cache's rows and pages split into shards (data-parallel pools): row ``r`` lives in
+    shard ``r // rows_per_shard`` and draws pages only from that shard's pool, so a scheduler
+    must place a request where its shard has room, and keep forks inside one shard.
+
+    ``PagedCache`` and ``DenseCache`` are one shard of ``max_seqs`` rows;
+    ``ShardedPagedCache`` is one per data index of its mesh. Optional: a :class:`KVCache`
+    without these members is one shard (:func:`shard_layout`).
+    """
+
+    num_shards: int
+    rows_per_shard: int
+
+    def shard_free_pages(self) -> jax.Array:
+        """int32 ``[num_shards]``: pages nobody holds, per shard (dense: free rows)."""
+        ...
+
+
+def shard_layout(cache: KVCache) -> tuple[int, int]:
+    """``(num_shards, rows_per_shard)`` of ``cache``: ``(1, max_seqs)`` unless it implements
+    :class:`Shards`."""
+    if isinstance(cache, Shards):
+        return cache.num_shards, cache.rows_per_shard
+    return 1, cache.max_seqs
+
+
+def shard_free_pages(cache: KVCache) -> jax.Array:
+    """int32 ``[num_shards]``: :meth:`Shards.shard_free_pages`, or ``[free_pages()]``."""
+    if isinstance(cache, Shards):
+        return cache.shard_free_pages()
+    return jnp.reshape(cache.free_pages(), (1,))
 
 
 @runtime_checkable

@@ -14,6 +14,11 @@ cached, so fifty users of one system prompt prefill it once. A request's row hol
 ``tokens[:cached]``; it decodes when only its newest token is missing (``cached ==
 len(tokens) - 1``). When the pool runs dry mid-decode, the policy's victim is preempted and
 recomputed later (its written pages go to the prefix index first, if any).
+
+On a sharded cache (:class:`paxkv.protocol.Shards`) a row draws only on its shard's pages, so
+every page decision is a shard's: a new request goes to a row of the least-loaded shard and is
+admitted against that shard's free pages; a request forking a held prefix waits for a row in
+the prefix's shard; a shard that runs dry preempts one of its own requests.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from paxkv import buckets, policy
+from paxkv import buckets, policy, shard_routing
 from paxkv.attention import plan as attention_plan
 from paxkv.lifecycle import Lifecycle
 from paxkv.prefix_cache import Hit
@@ -80,29 +85,28 @@ class Scheduler:
         return holder if holder.finish_reason == "prefilled" and holder.row is not None else None
 
     def admit(self) -> list[Request]:
-        """One admission round (see the module docstring)."""
+        """One admission round (see the module docstring): each request goes to a row of the
+        least-loaded shard (:meth:`_route`) if it fits that shard's free pages."""
         admitted: list[Request] = []
         pending: set[bytes] = set()
-        running = self.table.running()
-        ahead = self.growth.pages_ahead(running, self.ops.cache.page_size)
-        busy = bool(running)
         while self.table.waiting and self.table.free_rows():
             req = self.table.waiting[0]
             holder = self._holder(req)
             if holder is req:
                 break  # its shared prefix is still being prefilled
+            row = self._route(holder)
+            if row is None:
+                break  # the prefix's shard has no free row: wait for one
             hit, digests = ((Hit(), []) if holder or self.prefixes is None
                             else self.prefixes.lookup(req))
             if hit.num_full < len(digests) and digests[hit.num_full] in pending:
                 break  # an earlier admission of this round is prefilling that page
             cached = holder.cached if holder else hit.num_tokens
             need = policy.pages_to_admit(len(req.tokens), cached, self.ops.cache.page_size)
-            if need + ahead > self.ops.free and self.prefixes is not None:
-                self.prefixes.evict(need + ahead - self.ops.free, protect=hit.pages)
-            if not policy.admits(need, self.ops.free - ahead, busy or bool(admitted)):
+            if not self._fits(row, need, hit):
                 break
             self.table.waiting.popleft()
-            self.rows.place(req, self.table.free_rows()[0])
+            self.rows.place(req, row)
             if holder:
                 self.ops.fork(holder.row, [req.row])
                 req.cached = holder.cached
@@ -112,11 +116,36 @@ class Scheduler:
                 req.num_cached_tokens = cached
                 if self.prefixes is not None:
                     self.prefixes.index.record(len(req.prompt_ids), hit.num_tokens)
-            self.ops.free -= need
-            ahead += self.growth.pages_ahead([req], self.ops.cache.page_size)
+            self.ops.take(row, need)
             pending.update(digests)
             admitted.append(req)
         return admitted
+
+    def _route(self, holder: Request | None) -> int | None:
+        """The free row a new request takes: in its held prefix's shard (a fork shares pages,
+        so it cannot cross shards; None when that shard has no free row), else in the
+        least-loaded shard (:func:`paxkv.shard_routing.pick_row`; one shard: the lowest)."""
+        free_rows, ops = self.table.free_rows(), self.ops
+        if holder is not None:
+            mine = [r for r in free_rows if ops.shard_of(r) == ops.shard_of(holder.row)]
+            return mine[0] if mine else None
+        if ops.num_shards == 1:
+            return free_rows[0]
+        queued = policy.queued_tokens(self.table.running(), ops.rows_per_shard, ops.num_shards)
+        return shard_routing.pick_row(free_rows, ops.rows_per_shard, ops.shard_free, queued,
+                                      ops.cache.page_size)
+
+    def _fits(self, row: int, need: int, hit: Hit) -> bool:
+        """Whether ``need`` pages fit ``row``'s shard beside the growth its running requests
+        are projected to take (:class:`paxkv.policy.Growth`), evicting cached pages for room
+        first; a shard running nothing admits anyway (:func:`paxkv.policy.admits`)."""
+        shard = self.ops.shard_of(row)
+        mine = [r for r in self.table.running() if self.ops.shard_of(r.row) == shard]
+        ahead = self.growth.pages_ahead(mine, self.ops.cache.page_size)
+        short = need + ahead - int(self.ops.shard_free[shard])
+        if short > 0 and self.prefixes is not None:
+            self.prefixes.evict(short, protect=hit.pages)
+        return policy.admits(need, int(self.ops.shard_free[shard]) - ahead, bool(mine))
 
     def prefill(self, group: list[Request]) -> None:
         self._prefilled([r for r in group if r.cached >= r.target])  # fully cached
@@ -148,8 +177,10 @@ class Scheduler:
                                      self.rows.sampling_for(rows), plan, _logprobs(batch))
         more, done = list(later), []
         for i, r in enumerate(batch):
-            if not ok[i]:  # the pool could not hold it after all: back to the queue
-                if not any(o not in batch for o in self.table.running()):
+            if not ok[i]:  # its shard could not hold it after all: back to the queue
+                shard = self.ops.shard_of(r.row)
+                if not any(o not in batch and self.ops.shard_of(o.row) == shard
+                           for o in self.table.running()):
                     raise RuntimeError(f"request {r.id} does not fit even alone: finished "
                                        "hold=True requests hold the pages; fork or cancel them")
                 self.life.preempt(r)
@@ -204,9 +235,11 @@ class Scheduler:
             self._append(self.table.rows[row], drawn, int(where[row]))
         self.life.finish([r for r in self.table.rows
                           if r is not None and r.finish_reason is not None])
-        if (live & ~ok).any():  # out of pages: free the victim's pages
-            self.life.preempt(policy.preemption_victim(
-                self.table.running(), self.ops.cache.page_size, cached=self.prefixes is not None))
+        # A shard out of pages frees a victim's pages, among its own requests only.
+        for victim in policy.preemption_victims(
+                self.table.running(), np.flatnonzero(live & ~ok), self.ops.rows_per_shard,
+                self.ops.cache.page_size, cached=self.prefixes is not None):
+            self.life.preempt(victim)
 
     def plan(self, stepping: list[Request], longest: int,
               decode_lengths: list[int] | None = None) -> attention_plan.AttentionPlan:

@@ -11,6 +11,8 @@ shard with the most headroom::
 where ``queued_tokens[s]`` counts the tokens the shard's running requests will still write
 (prompt tokens not yet prefilled, tokens still to generate): pages already promised. Ties go
 to the shard with more free rows, then to the lower shard, so equal shards fill round-robin.
+:func:`pick_shard` places a group of rows that must share pages (a scoring context and its
+continuations) in one shard.
 """
 
 from __future__ import annotations
@@ -46,3 +48,18 @@ def pick_row(free_rows: Sequence[int], rows_per_shard: int, free_pages: Sequence
     # lexsort: the last key is the primary one; the lowest shard wins the final tie
     order = np.lexsort((shards, -open_rows[shards], -room[shards]))
     return int(rows[order[0]])
+
+
+def pick_shard(rows_left: Sequence[int], free_pages: Sequence[int], rows: int) -> int | None:
+    """The shard a unit of ``rows`` rows that must share pages (a context and its forks) goes
+    to: among those with ``rows`` free rows, the one with the most free pages (ties: the
+    lower shard); None when no shard has the rows.
+
+    Args:
+      rows_left: int ``[data]``, free rows per shard.
+      free_pages: int ``[data]``, free pages per shard.
+    """
+    fits = np.flatnonzero(np.asarray(rows_left) >= rows)
+    if not fits.size:
+        return None
+    return int(fits[np.argmax(np.asarray(free_pages)[fits])])

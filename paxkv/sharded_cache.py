@@ -21,12 +21,15 @@ shards fails (``ok`` False, nothing changes) and ``reorder`` drops a row whose p
 another shard (``ok`` False, as for an inactive parent): a page cannot be shared across
 shards, since its id means a different page in each.
 
-The engine-facing sizes are one shard's (the engine does not yet route requests to shards;
-:func:`paxkv.shard_routing.pick_row` chooses a least-loaded shard's row for when it does):
-``num_pages`` is the pages one row can draw on (``pages_per_shard``) and :meth:`free_pages`
-is the free pages of the fullest shard that still has a free row, so the engine's admission
-never places a request where its shard has no room. Exact figures: :attr:`total_pages`,
-:meth:`shard_free_pages`, :meth:`stats` (pool-wide) and :meth:`shard_stats`.
+The engine sees the shards (:class:`paxkv.protocol.Shards`: :attr:`num_shards`,
+:attr:`rows_per_shard`, :meth:`shard_free_pages`): it places each new request in a row of the
+least-loaded shard (:func:`paxkv.shard_routing.pick_row`), admits it against that shard's free
+pages, keeps forks in the parent's shard and preempts, when a shard runs dry, only that
+shard's requests. ``num_pages`` is the pages one row can draw on (``pages_per_shard``);
+:meth:`free_pages`, the one count a caller blind to shards gets, is the free pages of the
+fullest shard that still has a free row (a lower bound on what a new request finds). Exact
+figures: :attr:`total_pages`, :meth:`shard_free_pages`, :meth:`stats` (pool-wide) and
+:meth:`shard_stats`.
 """
 
 from __future__ import annotations

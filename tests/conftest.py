@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
 
 import jax
 import pytest
@@ -23,6 +24,18 @@ def pytest_configure(config: pytest.Config) -> None:
     cache = getattr(config, "cache", None)
     if cache is not None:
         oracle.set_cache_dir(cache.mkdir("paxkv_oracle"))
+        _share_compiles(str(cache.mkdir("jax_compile")))
+
+
+def _share_compiles(folder: str) -> None:
+    """Points JAX's persistent compilation cache at pytest's cache dir (unless the caller chose
+    one): the two xdist workers, and the subprocesses of the mesh tests, load the steps another
+    process compiled instead of compiling them again, and a second local run skips most
+    compiles. The key covers the HLO, the flags and the jax version, so a stale entry is never
+    used."""
+    folder = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", folder)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -8,9 +8,13 @@ warning fails the test). The parent asserts on the JSON.
 Checked: greedy tokens through :class:`paxkv.Engine` on meshes (8, 1), (4, 1) and (2, 1) with a
 pool small enough to preempt equal a single-device paged run; after every engine step, per
 shard: ref counts equal a recount of the block tables, page ids are local, every cache leaf
-keeps its sharding; at the end every shard's pool is free. The page-table ops compile to 0
-collectives; each device holds 1 / data of the pool; cross-shard fork / reorder fail with
-``ok`` False; a donated step donates every leaf.
+keeps its sharding; at the end every shard's pool is free. The engine's first admission puts a
+request in every shard; a shard whose forked samples run it dry preempts only its own requests
+(the short requests of the other shard, the cheapest recompute pool-wide, are never
+preempted); ``generate(..., mesh=)`` gives one device's tokens, and sizes that do not split
+over the data axis name the fix. The page-table ops compile to 0 collectives; each device
+holds 1 / data of the pool; cross-shard fork / reorder fail with ``ok`` False; a donated step
+donates every leaf.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGE_SIZE, MAX_LEN, MAX_SEQS = 4, 24, 16
 REF_PAGES = MAX_SEQS * MAX_LEN // PAGE_SIZE  # the single-device run never preempts
-TIGHT = {8: 48, 4: 24, 2: 16}  # data axis -> num_pages: 6 / 6 / 8 pages a shard, preempts
+# data axis -> num_pages: 5 / 6 / 8 pages a shard (5: the longest request's), preempts even
+# with requests spread over the shards
+TIGHT = {8: 40, 4: 24, 2: 16}
 
 
 def run_worker(name: str, *args: object, devices: int = 8, timeout: int = 300,
@@ -84,11 +90,26 @@ def shard_problems(cache) -> list[str]:
     return out
 
 
+def _record_admissions(engine) -> list[list[int]]:
+    """Wraps ``engine``'s admission: the shards of each round's admitted rows, appended."""
+    rounds, admit = [], engine.scheduler.admit
+    rps = engine.ops.rows_per_shard
+
+    def recording():
+        admitted = admit()
+        rounds.append(sorted({r.row // rps for r in admitted}))
+        return admitted
+
+    engine.scheduler.admit = recording
+    return rounds
+
+
 def _engine_run(lm, cache, check: bool) -> dict:
     import paxkv  # noqa: PLC0415
 
     engine = paxkv.Engine(lm, cache=cache, prefix_cache=False, prefill_chunk=16,
                           prefill_tokens=64)
+    rounds = _record_admissions(engine)
     ids = [engine.submit(p, max_new_tokens=n, stop_token_ids=()) for p, n in _workload()]
     results, problems, steps = {}, [], 0
     while engine.has_work():
@@ -96,7 +117,7 @@ def _engine_run(lm, cache, check: bool) -> dict:
         steps += 1
         problems += shard_problems(engine.cache) if check else []
     out = dict(tokens=[results[i].token_ids for i in ids], steps=steps, problems=problems,
-               preemptions=engine.counters.preemptions)
+               preemptions=engine.counters.preemptions, first_shards=rounds[0])
     stats = engine.stats()  # reads the cache through its protocol (no .table on a sharded one)
     out.update(stats_free=stats.free_pages, stats_num_pages=stats.num_pages,
                stats_bytes_per_device=stats.kv_bytes_per_device)
@@ -123,7 +144,53 @@ def worker_engine(datas: list[int]) -> dict:
         cache = sharded_cache.create(mesh=pmesh.make_mesh(data), num_pages=TIGHT[data],
                                      fill=float("nan"), **dims)
         out[str(data)] = _engine_run(lm, cache, True)
+    out["dry"] = {"ref": _dry_shard(lm, None), "mesh": _dry_shard(lm, pmesh.make_mesh(2))}
+    out["generate"] = _through_generate(lm, pmesh.make_mesh(4))
     return out
+
+
+def _dry_shard(lm, mesh) -> dict:
+    """One prompt with n=4 long greedy samples (forks: all in its shard, rows 0-3) beside two
+    short requests (routed to shard 1) on a (2, 1) mesh of 12 pages a shard: shard 0 runs
+    dry while the shorts decode. ``mesh`` None: one roomy device (the reference tokens)."""
+    import paxkv  # noqa: PLC0415
+
+    engine = paxkv.Engine(lm, mesh=mesh, max_seqs=8, max_len=24, page_size=PAGE_SIZE,
+                          num_pages=24 if mesh else 64, prefix_cache=False, prefill_chunk=16,
+                          prefill_tokens=64)
+    victims, preempt = [], engine.lifecycle.preempt
+
+    def recording(req):
+        victims.append(dict(id=req.id, shard=req.row // engine.ops.rows_per_shard))
+        preempt(req)
+
+    engine.lifecycle.preempt = recording
+    long = engine.submit(list(range(10, 16)), max_new_tokens=17, n=4, stop_token_ids=())
+    short = [engine.submit(list(range(20 + 3 * i, 23 + 3 * i)), max_new_tokens=12,
+                           stop_token_ids=()) for i in range(2)]
+    results, first_shard = {}, {}  # request id -> the shard it first ran in
+    while engine.has_work():
+        results.update(engine.step().finished)
+        for r in engine.table.running():
+            first_shard.setdefault(r.id, r.row // engine.ops.rows_per_shard)
+    samples = [shard for i, shard in sorted(first_shard.items()) if i not in (long, *short)]
+    return dict(samples=[x.token_ids for x in results[long].samples],
+                short=[results[i].token_ids for i in short],
+                short_preemptions=[results[i].num_preemptions for i in short],
+                sample_preemptions=sum(x.num_preemptions for x in results[long].samples),
+                victims=victims, sample_shards=samples,
+                short_shards=[first_shard[i] for i in short])
+
+
+def _through_generate(lm, mesh) -> dict:
+    """The workload's prompts through ``paxkv.generate`` on one device and on ``mesh``."""
+    import paxkv  # noqa: PLC0415
+
+    prompts = [p for p, _ in _workload()]
+    kw = dict(max_new_tokens=6, stop_token_ids=(), max_seqs=MAX_SEQS, max_len=MAX_LEN,
+              page_size=PAGE_SIZE)
+    return {name: [r.token_ids for r in paxkv.generate(lm, prompts, mesh=m, **kw)]
+            for name, m in (("ref", None), ("mesh", mesh))}
 
 
 def _tables_filled(mesh, dims: dict):
@@ -177,7 +244,44 @@ def worker_ops() -> dict:
     reorders = dict(ok=reorder_ok.tolist(), lengths=reordered.lengths.tolist(),
                     problems=shard_problems(reordered))
     return dict(hlo=hlo, placement=placement, fork=forks, reorder=reorders,
-                donation=_donation(mesh, dims))
+                donation=_donation(mesh, dims), beams=_beams(pmesh.make_mesh(2)),
+                scores=_scores(pmesh.make_mesh(2)))
+
+
+def _scores(mesh) -> dict:
+    """Three contexts of 2, 3 and 1 continuations (forked) and a context longer than a page,
+    scored on one device and on ``mesh`` with 4 rows a shard: 3 + 1 continuations fit one
+    shard, not 2 + 3."""
+    import paxkv  # noqa: PLC0415
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    lm = tiny_lm(scale=1.0)
+    a, b, c = [11, 12, 13, 14, 15, 16], [40, 41], [70, 71, 72, 73, 74, 75, 76, 77, 78]
+    pairs = [(a, [20, 21]), (a, [22, 23, 24]), (b, [30, 31]), (b, [32]), (b, [33, 34, 35]),
+             (c, [50, 51, 52]), (a, [25])]
+    out = {}
+    for name, m in (("ref", None), ("mesh", mesh)):
+        found = paxkv.score(lm, pairs, page_size=PAGE_SIZE, max_seqs=8, mesh=m)
+        out[name] = [(round(r.logprob, 4), r.is_greedy) for r in found]
+    return out
+
+
+def _beams(mesh) -> dict:
+    """Three prompts' beam search on one device and on ``mesh`` (padded to four prompts, two
+    a shard): beams, scores and the pool's accounting."""
+    from paxkv.beam_search import search  # noqa: PLC0415
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    lm, out = tiny_lm(scale=1.0), {}
+    prompts = [[11, 12, 13, 14, 15], [40, 41], [70, 71, 72, 73, 74, 75, 76]]
+    for name, m in (("ref", None), ("mesh", mesh)):
+        found = search(lm, prompts, beam_width=3, max_new_tokens=6,
+                       stop_token_ids=(), page_size=PAGE_SIZE, mesh=m)
+        out[name] = dict(beams=[[(b.token_ids, round(b.score, 4)) for b in x]
+                                for x in found.beams],
+                         all_free=found.all_free, stale=found.stale_pages,
+                         freed=found.pages_freed_by_reorder, num_pages=found.num_pages)
+    return out
 
 
 def _donation(mesh, dims: dict) -> dict:
@@ -232,6 +336,24 @@ def worker_errors() -> dict:
             out[name] = "no error"
         except ValueError as e:
             out[name] = str(e)
+    return dict(out, engine=_engine_errors())
+
+
+def _engine_errors() -> dict:
+    """What ``paxkv.Engine(mesh=...)`` says to sizes and options that do not fit a mesh."""
+    import paxkv  # noqa: PLC0415
+    from paxkv import mesh as pmesh  # noqa: PLC0415
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    lm, mesh, out = tiny_lm(scale=1.0), pmesh.make_mesh(4), {}
+    cases = {"max_seqs": dict(max_seqs=6), "num_pages": dict(max_seqs=8, num_pages=30),
+             "dense": dict(cache="dense"), "prefix": dict(max_seqs=8, prefix_cache=True)}
+    for name, kw in cases.items():
+        try:
+            paxkv.Engine(lm, mesh=mesh, max_len=16, page_size=4, **kw)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -249,6 +371,20 @@ def _check_engine_runs(found: dict, datas: list[int]) -> None:
         # Engine.stats on a sharded cache (it raised AttributeError: no .table): all shards.
         assert run["stats_num_pages"] == run["stats_free"] == run["total_pages"]
         assert run["stats_bytes_per_device"] == run["bytes_per_device"]
+        # the first admission spread the requests: every shard took one (the lowest free row
+        # would have filled the first shards' rows only)
+        assert run["first_shards"] == list(range(data)), (data, run["first_shards"])
+
+
+def _check_dry_shard(dry: dict) -> None:
+    """Shard 0 (the samples') ran dry and preempted only its own requests; the shorts in
+    shard 1, the cheapest recompute pool-wide, ran through; tokens as on one device."""
+    ref, run = dry["ref"], dry["mesh"]
+    assert run["sample_shards"] == [0] * 4 and run["short_shards"] == [1, 1]
+    assert run["victims"] and {v["shard"] for v in run["victims"]} == {0}, run["victims"]
+    assert run["short_preemptions"] == [0, 0] and run["sample_preemptions"] > 0
+    assert ref["victims"] == [] and run["samples"] == ref["samples"]
+    assert run["short"] == ref["short"]
 
 
 @pytest.mark.slow  # three engine runs on 8 forced devices (~1-2 minutes)
@@ -259,6 +395,9 @@ def test_engine_on_data_meshes_matches_one_device():
         run = found[str(data)]
         print(f"data={data}: {run['steps']} steps, {run['preemptions']} preemptions")
     _check_engine_runs(found, [8, 4, 2])
+    _check_dry_shard(found["dry"])
+    assert found["generate"]["mesh"] == found["generate"]["ref"]
+    assert len({tuple(t) for t in found["generate"]["ref"]}) > 6
 
 
 def test_table_ops_collectives_placement_and_donation():
@@ -283,6 +422,13 @@ def test_table_ops_collectives_placement_and_donation():
     assert lengths[:6] == [5, 9, 4, 4, 0, 13] and found["reorder"]["problems"] == []
     donation = found["donation"]
     assert donation["deleted"] and donation["ok"] and donation["problems"] == []
+    # beam search on a (2, 1) mesh: one device's beams; the padding prompt's pages count too
+    ref, run = found["beams"]["ref"], found["beams"]["mesh"]
+    assert run["beams"] == ref["beams"] and len(run["beams"]) == 3
+    assert run["all_free"] and ref["all_free"] and run["stale"] == ref["stale"] == 0
+    assert run["num_pages"] == ref["num_pages"] * 4 // 3
+    # scoring on a (2, 1) mesh: each context forks its continuations inside one shard
+    assert found["scores"]["mesh"] == found["scores"]["ref"]
 
 
 def test_mesh_and_size_errors_name_the_fix():
@@ -293,6 +439,10 @@ def test_mesh_and_size_errors_name_the_fix():
     assert "max_seqs=6" in found["max_seqs"] and "max_seqs=4 or 8" in found["max_seqs"]
     assert "num_pages=8 or 12" in found["num_pages"]
     assert "('data', 'model')" in found["axes"]
+    engine = found["engine"]
+    assert "max_seqs=6" in engine["max_seqs"] and "max_seqs=4 or 8" in engine["max_seqs"]
+    assert "num_pages=28 or 32" in engine["num_pages"]
+    assert "cache='paged'" in engine["dense"] and "prefix_cache=False" in engine["prefix"]
     # the engine-facing num_pages is one shard's (module docstring of paxkv.sharded_cache)
     assert found["is_kv_cache"] and found["sizes"] == [4, 4, 8, 16, 4]
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from paxkv import buckets, quant
+from paxkv import buckets, mesh as pmesh, quant
 from paxkv.scoring.requests import Pair, rolling_windows, token_pairs, truncate
 from paxkv.scoring.results import ScoreResult, ScoreStats
 from paxkv.scoring.scorer import Scorer
@@ -40,11 +41,13 @@ KV_BUDGET_BYTES = 2 << 30
 
 def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: bool = True,
                page_size: int = 16, max_seqs: int = 32, num_pages: int | None = None,
-               kv_dtype: Any = jnp.float32, attention_impl: str = "auto") -> Scorer:
+               kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
+               mesh: Mesh | None = None) -> Scorer:
     """A :class:`Scorer` whose rows hold the longest of ``pairs`` (rounded up to a power of
     two >= 128, so workloads of similar lengths share compiled steps). Without ``num_pages``
     the pool is ``max_seqs`` full rows or :data:`KV_BUDGET_BYTES`, whichever is smaller (a
-    dense cache gets fewer rows instead), and at least one full row."""
+    dense cache gets fewer rows instead), and at least one full row (on a ``mesh``: per data
+    shard, the pool a multiple of the data axis)."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     longest = max((len(c) + len(x) - 1 for c, x in pairs), default=1)
@@ -57,16 +60,19 @@ def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: b
     if cache == "dense":
         max_seqs = max(1, min(max_seqs, budget_pages // row_pages))
     elif num_pages is None:
-        num_pages = max(row_pages, min(max_seqs * row_pages, budget_pages))
+        data = 1 if mesh is None else pmesh.axis_sizes(mesh)[0]
+        pages = min(max_seqs * row_pages, budget_pages)
+        num_pages = data * max(row_pages, pages // data)
     return Scorer(lm, cache=cache, share=share, max_seqs=max_seqs, max_len=max_len,
                   page_size=page_size, num_pages=num_pages, kv_dtype=kv_dtype,
-                  attention_impl=attention_impl)
+                  attention_impl=attention_impl, mesh=mesh)
 
 
 def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
           share: bool = True, page_size: int = 16, max_seqs: int = 32,
           num_pages: int | None = None, kv_dtype: Any = jnp.float32,
-          max_length: int | None = None, attention_impl: str = "auto") -> list[ScoreResult]:
+          max_length: int | None = None, attention_impl: str = "auto",
+          mesh: Mesh | None = None) -> list[ScoreResult]:
     """Log-likelihood of each continuation given its context.
 
     Args:
@@ -81,6 +87,10 @@ def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
       kv_dtype: the K/V dtype (``jnp.bfloat16`` halves the cache).
       max_length: the most tokens the model sees per request: longer contexts are cut from the
         left as lm-eval's hf backend does; a continuation longer than this is an error.
+      mesh: a ``("data", "model")`` mesh (:func:`paxkv.mesh.make_mesh`) for the paged cache:
+        rows and pages split over ``data`` (``max_seqs`` and ``num_pages`` must divide by it),
+        each context with its continuations in one shard; kv heads and weights over
+        ``model``. Contexts fork but share no pages across contexts there. None: one device.
 
     Returns:
       One :class:`ScoreResult` per request, in order. Every page is free again afterwards.
@@ -90,7 +100,7 @@ def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
         return []
     scorer = scorer_for(lm, pairs, cache=cache, share=share, page_size=page_size,
                         max_seqs=max_seqs, num_pages=num_pages, kv_dtype=kv_dtype,
-                        attention_impl=attention_impl)
+                        attention_impl=attention_impl, mesh=mesh)
     return scorer.score(pairs)
 
 

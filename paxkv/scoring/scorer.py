@@ -24,9 +24,11 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv import buckets, dense_cache, paged_cache, policy
+from jax.sharding import Mesh
+
+from paxkv import policy, shard_routing
 from paxkv.attention import plan as attention_plan
-from paxkv.cache_ops import CacheOps, count_copies, shared_partial_pages
+from paxkv.cache_ops import CacheOps, build_cache, place_model
 from paxkv.prefix_cache import Hit
 from paxkv.protocol import check_model
 from paxkv.scoring import steps
@@ -52,30 +54,31 @@ class Scorer:
       prefill_chunk: widest context chunk per step; prefill_tokens, score_tokens: batch x
         width budgets of a context step and of a continuation step (whose ``[b, t, vocab]``
         logits stay inside the step).
+      mesh: a ``("data", "model")`` mesh for the paged cache (:func:`paxkv.cache_ops.
+        build_cache`): each context and its continuations share pages in one data shard
+        (:func:`paxkv.shard_routing.pick_shard`); no prefix index across contexts there.
     """
 
     def __init__(self, lm: Any, *, cache: str = "paged", share: bool = True,
                  max_seqs: int = 32, max_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, kv_dtype: Any = jnp.float32,
                  attention_impl: str = "auto", prefill_chunk: int = 512,
-                 prefill_tokens: int = 4096, score_tokens: int = 2048):
+                 prefill_tokens: int = 4096, score_tokens: int = 2048,
+                 mesh: Mesh | None = None):
         check_model(lm)
         if not isinstance(max_seqs, int) or max_seqs < 1:
             raise ValueError(f"max_seqs must be an int >= 1, got {max_seqs!r}")
-        dims = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
-                    head_dim=lm.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
-        if cache == "paged":
-            kv = paged_cache.create(
-                num_pages=num_pages or max_seqs * buckets.cdiv(max_len, page_size),
-                page_size=page_size, attention_impl=attention_impl, **dims)
-        elif cache == "dense":
-            kv = dense_cache.create(**dims)
-        else:
+        if cache not in ("paged", "dense"):
             raise ValueError(f"cache must be 'paged' or 'dense', got {cache!r}")
-        self.lm, self.share = lm, share
+        kv = build_cache(lm, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
+                         num_pages=num_pages, kv_dtype=kv_dtype, attention_impl=attention_impl,
+                         scrub=True, mesh=mesh)
+        self.lm, self.share = place_model(lm, mesh), share
         self.ops = CacheOps(kv, max_len)
-        self.shared = SharedContexts(self.ops) if share and kv.shares_pages else None
-        self.forward_all = steps.all_logits(lm)
+        # the prefix index reads one page table: on a sharded cache contexts fork, unindexed
+        indexable = kv.shares_pages and self.ops.num_shards == 1
+        self.shared = SharedContexts(self.ops) if share and indexable else None
+        self.forward_all = steps.all_logits(self.lm)
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.score_tokens = score_tokens
         self.child_shapes: set[tuple[int, int]] = set()  # child step shapes run so far
@@ -95,7 +98,8 @@ class Scorer:
         self._check_fits(pairs)
         lps: list[list[float]] = [[0.0] * len(c) for _, c in pairs]
         greedy: list[list[bool]] = [[True] * len(c) for _, c in pairs]
-        queue = collections.deque(group(pairs, share=self.share, max_children=self.ops.max_seqs))
+        queue = collections.deque(group(pairs, share=self.share,
+                                        max_children=self.ops.rows_per_shard))
         self.stats.requests += len(pairs)
         try:
             while queue:
@@ -129,34 +133,36 @@ class Scorer:
         page another context of this batch is writing waits for the next batch (then it is
         cached)."""
         live: list[ContextRow] = []
-        rows_left, pending = self.ops.max_seqs, set()
-        free = self.ops.free
+        ops, pending = self.ops, set()
+        rows_left = np.full(ops.num_shards, ops.rows_per_shard)  # a context and its forks
+        free = ops.shard_free.copy()  # share one shard (shard_routing.pick_shard)
         while queue:
             g = queue[0]
             kids = g.children(pairs)
             rows = max(1, len(kids))
             hit, digests = self.shared.lookup(g.context) if self.shared else (Hit(), [])
-            if rows > rows_left or (hit.num_full < len(digests)
-                                    and digests[hit.num_full] in pending):
+            shard = shard_routing.pick_shard(rows_left, free, rows)
+            if shard is None or (hit.num_full < len(digests)
+                                 and digests[hit.num_full] in pending):
                 break
             need = (pages_needed(g.context, [pairs[k][1] for k in kids],
-                                 self.ops.cache.page_size, hit.num_full)
-                    if self.ops.cache.shares_pages else rows)
-            if need > free and self.shared is not None:
-                free += self.shared.evict(need - free, hit.pages)
-            if need > free:
+                                 ops.cache.page_size, hit.num_full)
+                    if ops.cache.shares_pages else rows)
+            if need > free[shard] and self.shared is not None:
+                free[shard] += self.shared.evict(need - free[shard], hit.pages)
+            if need > free[shard]:
                 if not live:
                     raise ValueError(f"a context of {len(g.context)} tokens with {len(kids)} "
-                                     f"continuations needs {need} pages, {free} are free: "
-                                     "raise num_pages")
+                                     f"continuations needs {need} pages, {free[shard]} are "
+                                     "free: raise num_pages")
                 break
             queue.popleft()
-            row = self.ops.max_seqs - rows_left
+            row = (shard + 1) * ops.rows_per_shard - int(rows_left[shard])
             if hit.num_tokens:
                 self.shared.attach(row, g.context, hit)
             live.append(ContextRow(g, row, hit.num_tokens))
-            rows_left -= rows
-            free -= need
+            rows_left[shard] -= rows
+            free[shard] -= need
             pending.update(digests)
         self.stats.contexts += len(live)
         self.stats.cached_tokens += sum(r.cached for r in live)
@@ -174,24 +180,21 @@ class Scorer:
     # -- the device steps -----------------------------------------------------------------
     def _step(self, fn: Any, forward: Any, tokens: np.ndarray, rows: np.ndarray,
               qlen: np.ndarray, extra: np.ndarray, plan: Any) -> tuple[np.ndarray, ...]:
-        """One jitted, donated step; counts tokens, pages and copy-on-write copies."""
-        probe = (shared_partial_pages(self.ops.cache.table)
-                 if self.ops.shares and self.ops.cache.shares_pages else None)
-        self.ops.cache, lp, greedy, ok, free = fn(
+        """One jitted, donated step (:meth:`CacheOps.run_step`); counts tokens, pages and
+        copy-on-write copies."""
+        copies = self.ops.cow_copies
+        lp, greedy, ok = self.ops.run_step(lambda: fn(
             forward, self.lm.params, self.ops.cache, jnp.asarray(tokens), jnp.asarray(rows),
-            jnp.asarray(qlen), jnp.asarray(extra), plan=plan)
-        self.ops.free = int(free)
+            jnp.asarray(qlen), jnp.asarray(extra), plan=plan))
         s = self.stats
-        s.peak_pages = max(s.peak_pages, self.ops.cache.num_pages - self.ops.free)
+        s.peak_pages = max(s.peak_pages, self.ops.cache.total_pages - self.ops.free)
         s.steps += 1
         s.padded_tokens += tokens.size
-        if probe is not None:
-            s.cow_copies += int(count_copies(self.ops.cache.table, *probe))
-        ok = np.asarray(ok)
+        s.cow_copies += self.ops.cow_copies - copies
         if not ok[qlen > 0].all():
             raise RuntimeError("a scoring step found no room in the cache (the admission "
                                "count was wrong): please report this")
-        return np.asarray(lp), np.asarray(greedy)
+        return lp, greedy
 
     def _plan(self, prefixes: list[Sequence[int]], longest: int) -> Any:
         cache = self.ops.cache
@@ -235,15 +238,18 @@ class Scorer:
         (child 0 keeps the row); a context with no multi-token continuation is released."""
         if self.shared is not None:
             self.shared.insert([r.row for r in live], [r.group.context for r in live])
-        used = {r.row for r in live}
-        spare = [x for x in range(self.ops.max_seqs) if x not in used]
+        used, shard_of = {r.row for r in live}, self.ops.shard_of
+        spare = collections.defaultdict(list)  # shard -> rows no context holds
+        for x in range(self.ops.max_seqs):
+            if x not in used:
+                spare[shard_of(x)].append(x)
         children, done = [], []
         for r in live:
             kids = r.group.children(pairs)
             if not kids:
                 done.append(r.row)
                 continue
-            rows = [r.row] + [spare.pop() for _ in kids[1:]]
+            rows = [r.row] + [spare[shard_of(r.row)].pop() for _ in kids[1:]]
             self.ops.fork(r.row, rows[1:])
             self.stats.forks += len(rows) - 1
             children += [ChildRow(m, row, r.group.context, pairs[m][1])
