@@ -5,13 +5,13 @@
 pages per shard (:class:`paxkv.protocol.Shards`: a sharded cache's rows draw on their own
 shard's pages; every other cache is one shard), and copy-on-write copies (probed around a
 step only once rows may share pages). Every array argument has a fixed width (:func:`pad`), so
-each operation compiles once per cache shape. :func:`build_cache` makes the cache an engine
-asked for by name, on a mesh when given one.
+each operation compiles once per cache shape (the prefix cache's, attach and retain, per
+shard: :mod:`paxkv.page_holds`). :func:`build_cache` makes the cache an engine asked for by
+name, on a mesh when given one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 from typing import Any, Sequence
@@ -22,10 +22,12 @@ import numpy as np
 
 from jax.sharding import Mesh, NamedSharding
 
-from paxkv import buckets, dense_cache, mesh as pmesh, paged_cache, sharded_cache, steps
+from paxkv import buckets, dense_cache, mesh as pmesh, page_holds, paged_cache
+from paxkv import sharded_cache, steps
 from paxkv import page_table as pt
 from paxkv import tensor_parallel
 from paxkv.attention.plan import AttentionPlan
+from paxkv.page_holds import attach_rows, retain_pages  # noqa: F401 (the engine's jitted ops)
 from paxkv.protocol import KVCache, shard_free_pages, shard_layout
 from paxkv.sampling import RowSampling
 
@@ -35,21 +37,6 @@ def pad(values: Sequence[int], width: int, fill: int) -> np.ndarray:
     out = np.full(width, fill, np.int32)
     out[:len(values)] = values
     return out
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def attach_rows(cache: Any, rows: jax.Array, pages: jax.Array,
-                lengths: jax.Array) -> tuple[Any, jax.Array]:
-    """``page_table.attach`` on a paged cache (rows ``[k]``, pages ``[k, w]``, lengths
-    ``[k]``); ``ok`` bool ``[k]``."""
-    table, ok = pt.attach(cache.table, rows, pages, lengths)
-    return dataclasses.replace(cache, table=table), ok
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("delta",))
-def retain_pages(cache: Any, pages: jax.Array, *, delta: int) -> Any:
-    """Adds ``delta`` references to ``pages`` (int32 ``[n]``; ids past the pool ignored)."""
-    return dataclasses.replace(cache, table=pt.retain(cache.table, pages, delta))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -186,8 +173,8 @@ class CacheOps:
 
     @free.setter
     def free(self, value: int) -> None:
-        # NOTE: only callers blind to shards set the total (the prefix caches, the scorer):
-        # they run on one-shard caches.
+        # NOTE: only callers blind to shards set the total (the scorer's prefix index): they
+        # run on one-shard caches.
         if self.num_shards != 1:
             raise RuntimeError("a sharded cache's free pages are counted per shard: use take()")
         self.shard_free[0] = value
@@ -231,21 +218,24 @@ class CacheOps:
         self._note_free(int(self.cache.free_pages()) if self.num_shards == 1 else None)
 
     def attach(self, row: int, pages: Sequence[int], num_tokens: int) -> None:
-        """Row ``row`` holds ``pages`` (a prefix-cache hit) for ``num_tokens`` tokens."""
-        width = self.cache.table.max_pages_per_seq
-        padded = pad(pages, width, self.cache.num_pages)[None, :]
-        self.cache, ok = attach_rows(self.cache, jnp.asarray([row], jnp.int32),
-                                     jnp.asarray(padded), jnp.asarray([num_tokens]))
-        if not bool(ok[0]):
+        """Row ``row`` holds ``pages`` (a prefix-cache hit in its shard: that shard's ids) for
+        ``num_tokens`` tokens."""
+        self.cache, ok = page_holds.attach(self.cache, row, pages, num_tokens)
+        if not ok:
             raise RuntimeError(f"attaching cached pages {list(pages)} to row {row} failed")
         self.shares = True
 
-    def retain(self, pages: Sequence[int], delta: int) -> None:
-        """``delta`` more references on each of ``pages`` (the prefix index's holds)."""
-        for i in range(0, len(pages), 256):
-            chunk = pages[i:i + 256]
-            padded = pad(chunk, buckets.pow2(len(chunk), 8), self.cache.num_pages)
-            self.cache = retain_pages(self.cache, jnp.asarray(padded), delta=delta)
+    def retain(self, pages: Sequence[int], delta: int, shard: int = 0) -> None:
+        """``delta`` more references on each of ``pages`` of ``shard`` (the prefix index's
+        holds)."""
+        by_shard: list[Sequence[int]] = [[] for _ in range(self.num_shards)]
+        by_shard[shard] = pages
+        self.retain_shards(by_shard, delta)
+
+    def retain_shards(self, pages_by_shard: Sequence[Sequence[int]], delta: int) -> None:
+        """:meth:`retain` of every shard's pages at once (``pages_by_shard[s]``: shard
+        ``s``'s ids)."""
+        self.cache = page_holds.retain(self.cache, pages_by_shard, delta)
 
     def fork(self, parent: int, children: Sequence[int]) -> None:
         """Rows ``children`` continue row ``parent`` (paged: sharing its pages)."""

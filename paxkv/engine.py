@@ -31,7 +31,7 @@ from paxkv.cache_ops import CacheOps, build_cache, place_model
 from paxkv.lifecycle import Lifecycle
 from paxkv.policy import Growth, Shapes
 from paxkv.prefix_sharing import SharedPrefixes
-from paxkv.protocol import KVCache, check_model, shard_layout
+from paxkv.protocol import KVCache, check_model
 from paxkv.requests import GenerationResult, Request, RequestTable, StepOutput
 from paxkv.rows import RowState
 from paxkv.sampling import SamplingParams
@@ -65,8 +65,10 @@ class Engine:
       mesh: a ``("data", "model")`` :class:`jax.sharding.Mesh` (:func:`paxkv.mesh.make_mesh`)
         for ``cache="paged"``: rows and pages split over ``data`` (``max_seqs`` and
         ``num_pages`` must divide by it; :mod:`paxkv.sharded_cache`), each request placed in
-        the least-loaded shard; kv heads and the weights split over ``model``
-        (:func:`paxkv.cache_ops.place_model`). No prefix cache on a mesh. None: one device.
+        the shard holding its cached prefix if it has room, else in the least-loaded one
+        (the prefix cache keeps one index per shard: page ids are shard-local); kv heads and
+        the weights split over ``model`` (:func:`paxkv.cache_ops.place_model`). None: one
+        device.
     """
 
     def __init__(self, model: Any, *, cache: str | KVCache = "paged", max_seqs: int = 32,
@@ -79,15 +81,13 @@ class Engine:
         kv = build_cache(model, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
                          num_pages=num_pages, kv_dtype=kv_dtype,
                          attention_impl=attention_impl, scrub=scrub, mesh=mesh)
-        indexable = kv.shares_pages and shard_layout(kv)[0] == 1
-        if prefix_cache and not indexable:
-            raise ValueError("prefix_cache needs a one-device paged cache (a dense row cannot "
-                             "be shared; a sharded cache runs without it): pass "
-                             "prefix_cache=False")
+        if prefix_cache and not kv.shares_pages:
+            raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared): "
+                             "pass prefix_cache=False or cache='paged'")
         self.model = place_model(model, mesh)
         self.table = RequestTable(kv.max_seqs)
         self.ops = CacheOps(kv, None if isinstance(cache, KVCache) else max_len)
-        use_index = indexable if prefix_cache is None else prefix_cache
+        use_index = kv.shares_pages if prefix_cache is None else prefix_cache
         self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
         self.counters = Counters()
         self.lifecycle = Lifecycle(model, self.table, RowState(self.table), self.ops,
@@ -201,8 +201,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Pool, sharing and prefix-cache accounting now (see :class:`EngineStats`)."""
-        return accounting.engine_stats(self.ops, self.table, self.counters,
-                                       None if self.prefixes is None else self.prefixes.index)
+        return accounting.engine_stats(self.ops, self.table, self.counters, self.prefixes)
 
     def reset_stats(self) -> None:
         """Zeroes the running totals and peaks (a timed run after a warm-up starts clean)."""

@@ -4,7 +4,7 @@ cancel.
 Every change of who holds a row goes through :class:`Lifecycle`, so the three places that
 must agree stay together: the request table (who is in which row), the row state (what each
 row samples and feeds) and the cache (which pages each row holds; released through one
-jitted call, written pages indexed in the prefix cache first).
+jitted call, written pages indexed first in the prefix index of the row's shard).
 """
 
 from __future__ import annotations

@@ -243,6 +243,24 @@ class PrefixIndex:
         self.evicted += len(out)
         return out
 
+    def evictable(self, ref_counts: np.ndarray, protect: Sequence[int] = ()) -> int:
+        """How many pages :meth:`evict` could drop now, rounds of tails included: those only
+        the index holds (``ref_counts[p] == 1``), not in ``protect``, with nothing below them
+        in the tree that someone else holds or that is protected (a chain may continue in
+        another sequence's page). The room eviction can make, without making it."""
+        refs, protect = np.asarray(ref_counts), set(int(p) for p in protect)
+        order, stack = [], list(self._roots.values())
+        while stack:  # pre-order: each node before its children
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        droppable: dict[int, bool] = {}  # id(node) -> its whole subtree can go
+        for node in reversed(order):  # children first
+            droppable[id(node)] = (all(droppable[id(c)] for c in node.children.values())
+                                   and (node.page < 0 or (int(refs[node.page]) == 1
+                                                          and node.page not in protect)))
+        return sum(droppable[id(n)] for n in order if n.page >= 0)
+
     def clear(self) -> list[int]:
         """Forgets everything; returns every page the index held (release each once)."""
         pages = self.pages()

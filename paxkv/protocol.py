@@ -45,9 +45,11 @@ class KVCache(Protocol):
     (paged: True; a dense fork copies).
     A cache that shares pages also gives ``sharing_stats() ->``
     :class:`paxkv.page_table.SharingStats` (per row ``[max_seqs]``), which ``Engine.stats``
-    reads. (The prefix cache and the copy counters still read a single-device paged cache's
-    ``.table``; a sharded cache runs without them.) A cache whose rows draw on separate page
-    pools also implements :class:`Shards`; any other cache is one shard.
+    reads. (The engine's prefix cache, :mod:`paxkv.page_holds`, and its copy counters still
+    read the page table itself: a ``PagedCache``'s ``.table`` or a ``ShardedPagedCache``'s
+    per-shard ``.tables``; another cache that shares pages runs with ``prefix_cache=False``.)
+    A cache whose rows draw on separate page pools also implements :class:`Shards`; any other
+    cache is one shard.
     """
 
     max_seqs: int

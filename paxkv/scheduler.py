@@ -16,9 +16,11 @@ len(tokens) - 1``). When the pool runs dry mid-decode, the policy's victim is pr
 recomputed later (its written pages go to the prefix index first, if any).
 
 On a sharded cache (:class:`paxkv.protocol.Shards`) a row draws only on its shard's pages, so
-every page decision is a shard's: a new request goes to a row of the least-loaded shard and is
-admitted against that shard's free pages; a request forking a held prefix waits for a row in
-the prefix's shard; a shard that runs dry preempts one of its own requests.
+every page decision is a shard's: a new request goes to a row of the shard :meth:`_route` picks
+(the one whose prefix index serves the most of its prompt, when that shard has a free row and
+room; else the least-loaded) and is admitted against that shard's free pages; a request forking
+a held prefix waits for a row in the prefix's shard; a shard that runs dry preempts one of its
+own requests and evicts only its own cached pages.
 """
 
 from __future__ import annotations
@@ -86,21 +88,23 @@ class Scheduler:
 
     def admit(self) -> list[Request]:
         """One admission round (see the module docstring): each request goes to a row of the
-        least-loaded shard (:meth:`_route`) if it fits that shard's free pages."""
+        shard :meth:`_route` picks if it fits that shard's free pages."""
         admitted: list[Request] = []
-        pending: set[bytes] = set()
+        pending: set[tuple[int, bytes]] = set()  # (shard, digest) being prefilled this round
         while self.table.waiting and self.table.free_rows():
             req = self.table.waiting[0]
             holder = self._holder(req)
             if holder is req:
                 break  # its shared prefix is still being prefilled
-            row = self._route(holder)
+            hits, digests = (([], []) if holder or self.prefixes is None
+                             else self.prefixes.lookup(req))
+            row = self._route(req, holder, hits)
             if row is None:
                 break  # the prefix's shard has no free row: wait for one
-            hit, digests = ((Hit(), []) if holder or self.prefixes is None
-                            else self.prefixes.lookup(req))
-            if hit.num_full < len(digests) and digests[hit.num_full] in pending:
-                break  # an earlier admission of this round is prefilling that page
+            shard = self.ops.shard_of(row)
+            hit = hits[shard] if hits else Hit()
+            if hit.num_full < len(digests) and (shard, digests[hit.num_full]) in pending:
+                break  # an earlier admission of this round is prefilling that page there
             cached = holder.cached if holder else hit.num_tokens
             need = policy.pages_to_admit(len(req.tokens), cached, self.ops.cache.page_size)
             if not self._fits(row, need, hit):
@@ -115,16 +119,18 @@ class Scheduler:
             if req.preemptions == 0:
                 req.num_cached_tokens = cached
                 if self.prefixes is not None:
-                    self.prefixes.index.record(len(req.prompt_ids), hit.num_tokens)
+                    self.prefixes.record(shard, len(req.prompt_ids), hit.num_tokens)
             self.ops.take(row, need)
-            pending.update(digests)
+            pending.update((shard, d) for d in digests)
             admitted.append(req)
         return admitted
 
-    def _route(self, holder: Request | None) -> int | None:
+    def _route(self, req: Request, holder: Request | None, hits: list[Hit]) -> int | None:
         """The free row a new request takes: in its held prefix's shard (a fork shares pages,
-        so it cannot cross shards; None when that shard has no free row), else in the
-        least-loaded shard (:func:`paxkv.shard_routing.pick_row`; one shard: the lowest)."""
+        so it cannot cross shards; None when that shard has no free row), else in the shard
+        whose prefix index serves the most of it, if it fits there, else in the least-loaded
+        shard (:func:`paxkv.shard_routing.pick_row_for_hits`; one shard: the lowest row).
+        Pages only an index holds count as free: eviction makes them room."""
         free_rows, ops = self.table.free_rows(), self.ops
         if holder is not None:
             mine = [r for r in free_rows if ops.shard_of(r) == ops.shard_of(holder.row)]
@@ -132,20 +138,34 @@ class Scheduler:
         if ops.num_shards == 1:
             return free_rows[0]
         queued = policy.queued_tokens(self.table.running(), ops.rows_per_shard, ops.num_shards)
-        return shard_routing.pick_row(free_rows, ops.rows_per_shard, ops.shard_free, queued,
-                                      ops.cache.page_size)
+        free, ps = ops.shard_free.copy(), ops.cache.page_size
+        if not hits:  # no prefix cache
+            return shard_routing.pick_row(free_rows, ops.rows_per_shard, free, queued, ps)
+        free += self.prefixes.reclaimable(hits)
+        fits = []
+        for shard, hit in enumerate(hits):
+            ahead, busy = self._ahead(shard)
+            need = policy.pages_to_admit(len(req.tokens), hit.num_tokens, ps)
+            fits.append(policy.admits(need, int(free[shard]) - ahead, busy))
+        return shard_routing.pick_row_for_hits(free_rows, ops.rows_per_shard, free, queued, ps,
+                                               [h.num_tokens for h in hits], fits)
+
+    def _ahead(self, shard: int) -> tuple[int, bool]:
+        """Pages ``shard``'s running requests are projected to grow into
+        (:class:`paxkv.policy.Growth`), and whether it runs any."""
+        mine = [r for r in self.table.running() if self.ops.shard_of(r.row) == shard]
+        return self.growth.pages_ahead(mine, self.ops.cache.page_size), bool(mine)
 
     def _fits(self, row: int, need: int, hit: Hit) -> bool:
         """Whether ``need`` pages fit ``row``'s shard beside the growth its running requests
-        are projected to take (:class:`paxkv.policy.Growth`), evicting cached pages for room
-        first; a shard running nothing admits anyway (:func:`paxkv.policy.admits`)."""
+        are projected to take, evicting that shard's cached pages for room first; a shard
+        running nothing admits anyway (:func:`paxkv.policy.admits`)."""
         shard = self.ops.shard_of(row)
-        mine = [r for r in self.table.running() if self.ops.shard_of(r.row) == shard]
-        ahead = self.growth.pages_ahead(mine, self.ops.cache.page_size)
+        ahead, busy = self._ahead(shard)
         short = need + ahead - int(self.ops.shard_free[shard])
         if short > 0 and self.prefixes is not None:
-            self.prefixes.evict(short, protect=hit.pages)
-        return policy.admits(need, int(self.ops.shard_free[shard]) - ahead, bool(mine))
+            self.prefixes.evict(short, protect=hit.pages, shard=shard)
+        return policy.admits(need, int(self.ops.shard_free[shard]) - ahead, busy)
 
     def prefill(self, group: list[Request]) -> None:
         self._prefilled([r for r in group if r.cached >= r.target])  # fully cached
@@ -207,8 +227,11 @@ class Scheduler:
         self.life.finish(done)
 
     def _decode(self, live: np.ndarray) -> None:
-        if self.prefixes is not None and int(live.sum()) > self.ops.free:
-            self.prefixes.evict(int(live.sum()) - self.ops.free)  # a page or a copy per row
+        if self.prefixes is not None:  # a page or a copy per live row, from its shard
+            rps = self.ops.rows_per_shard
+            for shard, num in enumerate(live.reshape(-1, rps).sum(axis=1)):
+                if num > self.ops.shard_free[shard]:
+                    self.prefixes.evict(int(num - self.ops.shard_free[shard]), shard=shard)
         live_rows = np.flatnonzero(live)
         stepping = [self.table.rows[i] for i in live_rows]
         plan = self.plan(stepping, max(len(r.tokens) for r in self.table.rows if r is not None),

@@ -23,13 +23,14 @@ shards, since its id means a different page in each.
 
 The engine sees the shards (:class:`paxkv.protocol.Shards`: :attr:`num_shards`,
 :attr:`rows_per_shard`, :meth:`shard_free_pages`): it places each new request in a row of the
-least-loaded shard (:func:`paxkv.shard_routing.pick_row`), admits it against that shard's free
-pages, keeps forks in the parent's shard and preempts, when a shard runs dry, only that
-shard's requests. ``num_pages`` is the pages one row can draw on (``pages_per_shard``);
-:meth:`free_pages`, the one count a caller blind to shards gets, is the free pages of the
-fullest shard that still has a free row (a lower bound on what a new request finds). Exact
-figures: :attr:`total_pages`, :meth:`shard_free_pages`, :meth:`stats` (pool-wide) and
-:meth:`shard_stats`.
+shard holding its cached prefix, else of the least-loaded one (:mod:`paxkv.shard_routing`),
+admits it against that shard's free pages, keeps forks in the parent's shard, preempts, when a
+shard runs dry, only that shard's requests, and keeps one prefix index per shard (a hit's pages
+attach only to a row of its shard: :meth:`attach`, :meth:`retain`). ``num_pages`` is the pages
+one row can draw on (``pages_per_shard``); :meth:`free_pages`, the one count a caller blind to
+shards gets, is the free pages of the fullest shard that still has a free row (a lower bound on
+what a new request finds). Exact figures: :attr:`total_pages`, :meth:`shard_free_pages`,
+:meth:`stats` (pool-wide) and :meth:`shard_stats`.
 """
 
 from __future__ import annotations
@@ -198,6 +199,30 @@ class ShardedPagedCache:
             return (c.pool, c.table), ok
         local, ok = self.per_device(fn, jnp.asarray(parents, jnp.int32))
         return self.with_state(local), ok.reshape(-1)
+
+    def attach(self, pages: jax.Array,
+               lengths: jax.Array) -> tuple["ShardedPagedCache", jax.Array]:
+        """:func:`paxkv.page_share.attach` per shard (a prefix-cache hit): each row ``r``
+        with ``lengths[r] > 0`` (int32 ``[max_seqs]``) holds ``pages[r]`` (int32 ``[max_seqs,
+        w]``, its shard's ids); ``ok`` bool ``[max_seqs]``, True where ``lengths`` is 0."""
+        def fn(c, blocks, _):
+            cells, n = blocks
+            want = n > 0
+            rows = jnp.where(want, jnp.arange(self.rows_per_shard, dtype=jnp.int32), -1)
+            table, ok = pt.attach(c.table, rows, cells, n)
+            return (c.pool, table), ok | ~want
+        local, ok = self.per_device(fn, jnp.asarray(pages, jnp.int32),
+                                    jnp.asarray(lengths, jnp.int32))
+        return self.with_state(local), ok.reshape(-1)
+
+    def retain(self, pages: jax.Array, delta: int) -> "ShardedPagedCache":
+        """``delta`` more references on each shard's ``pages`` (int32 ``[data, n]``, row
+        ``s`` shard ``s``'s ids; ids past its pool are ignored): the prefix index's holds."""
+        def fn(c, _, mine):
+            return c.pool, pt.retain(c.table, mine[0], delta)
+        return self.with_state(self.per_device(
+            fn, shared=jnp.asarray(pages, jnp.int32), shared_specs=pmesh.SHARDED,
+            out_specs=STATE))
 
     def _to_local(self, rows: jax.Array, mine: jax.Array) -> jax.Array:
         """Global row ids -> this shard's local ids, -1 where not ``mine``."""

@@ -12,9 +12,12 @@ keeps its sharding; at the end every shard's pool is free. The engine's first ad
 request in every shard; a shard whose forked samples run it dry preempts only its own requests
 (the short requests of the other shard, the cheapest recompute pool-wide, are never
 preempted); ``generate(..., mesh=)`` gives one device's tokens, and sizes that do not split
-over the data axis name the fix. The page-table ops compile to 0 collectives; each device
-holds 1 / data of the pool; cross-shard fork / reorder fail with ``ok`` False; a donated step
-donates every leaf.
+over the data axis name the fix. With the prefix cache on a (2, 1) mesh, two waves sharing a
+system prompt give one device's tokens, the second wave starts from cached pages, ref counts
+equal the tables' plus each shard's index holds after every step, and clearing the indexes
+frees every shard. The page-table ops (the prefix cache's attach and retain included) compile
+to 0 collectives; each device holds 1 / data of the pool; cross-shard fork / reorder / attach
+fail with ``ok`` False; a donated step donates every leaf.
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ def _workload() -> list[tuple[list[int], int]]:
             for _ in range(12)]
 
 
-def shard_problems(cache) -> list[str]:
-    """Per-shard invariants of a :class:`ShardedPagedCache` (empty list: all hold)."""
+def shard_problems(cache, held: list[list[int]] | None = None) -> list[str]:
+    """Per-shard invariants of a :class:`ShardedPagedCache` (empty list: all hold); ``held``:
+    the pages each shard's prefix index holds (one reference each, counted in)."""
     import jax  # noqa: PLC0415
 
     from paxkv import mesh as pmesh  # noqa: PLC0415
@@ -80,8 +84,14 @@ def shard_problems(cache) -> list[str]:
             out.append(f"shard {s}: page ids not local or a held cell is the sentinel")
         if (bt[~cells] != pps).any() or (lengths[~t.active[s]] != 0).any():
             out.append(f"shard {s}: padding is not the sentinel or an idle row has a length")
-        if not np.array_equal(np.bincount(bt[cells], minlength=pps), refs):
-            out.append(f"shard {s}: ref counts {refs.tolist()} != recount of its tables")
+        index = np.asarray(held[s] if held else [], np.int64)
+        if ((index < 0) | (index >= pps)).any() or len(set(index.tolist())) < index.size:
+            out.append(f"shard {s}: its index holds {index.tolist()}: not local real pages")
+        recount = np.bincount(bt[cells], minlength=pps) + np.bincount(
+            index[(index >= 0) & (index < pps)], minlength=pps)
+        if not np.array_equal(recount, refs):
+            out.append(f"shard {s}: ref counts {refs.tolist()} != recount of its tables and "
+                       "index")
     for tree, want in ((cache.pools, pmesh.pool_sharding(cache.mesh)),
                        (cache.tables, pmesh.sharded(cache.mesh))):
         for leaf in jax.tree.leaves(tree):
@@ -145,6 +155,7 @@ def worker_engine(datas: list[int]) -> dict:
                                      fill=float("nan"), **dims)
         out[str(data)] = _engine_run(lm, cache, True)
     out["dry"] = {"ref": _dry_shard(lm, None), "mesh": _dry_shard(lm, pmesh.make_mesh(2))}
+    out["prefix"] = {"ref": _prefix_waves(lm, None), "mesh": _prefix_waves(lm, pmesh.make_mesh(2))}
     out["generate"] = _through_generate(lm, pmesh.make_mesh(4))
     return out
 
@@ -180,6 +191,61 @@ def _dry_shard(lm, mesh) -> dict:
                 sample_preemptions=sum(x.num_preemptions for x in results[long].samples),
                 victims=victims, sample_shards=samples,
                 short_shards=[first_shard[i] for i in short])
+
+
+def _prefix_waves(lm, mesh) -> dict:
+    """Two waves of requests, most sharing a 3-page system prompt, a few unrelated; the
+    second wave arrives after two steps. ``mesh`` None: one roomy device without a prefix
+    cache (the reference tokens); a (2, 1) mesh: the prefix cache on, 12 pages a shard (the
+    sizes of :func:`_dry_shard`, so its compiled steps serve), checked after every step."""
+    import paxkv  # noqa: PLC0415
+
+    engine = paxkv.Engine(lm, mesh=mesh, max_seqs=8, max_len=24, page_size=PAGE_SIZE,
+                          num_pages=24 if mesh else 64, prefix_cache=mesh is not None,
+                          prefill_chunk=16, prefill_tokens=64)
+    system = list(range(30, 42))
+    rng = np.random.default_rng(1)
+
+    def wave(n_shared: int, n_other: int) -> list[int]:
+        prompts = [system + rng.integers(50, 250, int(rng.integers(1, 5))).tolist()
+                   for _ in range(n_shared)]
+        prompts += [rng.integers(50, 250, int(rng.integers(5, 14))).tolist()
+                    for _ in range(n_other)]
+        return [engine.submit(p, max_new_tokens=8, stop_token_ids=()) for p in prompts]
+
+    first, second, results, problems, widths = wave(5, 2), [], {}, [], [0]
+
+    def held() -> list[list[int]]:
+        return [ix.pages() for ix in engine.prefixes.shards]
+
+    if mesh is not None:
+        inner = engine.prefixes.attach
+
+        def attach(req, hit) -> None:
+            widths.append(len(hit.pages))  # the most pages one hit attached
+            inner(req, hit)
+
+        engine.prefixes.attach = attach
+
+    while engine.has_work():
+        results.update(engine.step().finished)
+        if mesh is not None:
+            problems += shard_problems(engine.cache, held())
+        if engine.scheduler.table.clock == 2:
+            second = wave(6, 1)
+    out = dict(tokens=[results[i].token_ids for i in first + second],
+               cached=[results[i].num_cached_tokens for i in second[:6]],
+               preemptions=engine.counters.preemptions, problems=problems,
+               widest_hit=max(widths))
+    if mesh is not None:
+        stats = engine.stats()
+        out.update(hit_tokens=stats.prefix_hit_tokens, cached_pages=stats.cached_pages,
+                   per_shard=[len(ix) for ix in engine.prefixes.shards],
+                   cleared=engine.clear_prefix_cache(),
+                   free=engine.cache.shard_free_pages().tolist(),
+                   pages_per_shard=engine.cache.pages_per_shard,
+                   after_clear=shard_problems(engine.cache, held()))
+    return out
 
 
 def _through_generate(lm, mesh) -> dict:
@@ -226,6 +292,9 @@ def worker_ops() -> dict:
         "release": (lambda c, r: c.release(r), jnp.zeros((s,), bool).at[1].set(True)),
         "fork": (lambda c, p: c.fork(p, p + 1), jnp.full((s,), -1, jnp.int32)),
         "reorder": (lambda c, p: c.reorder(p), jnp.arange(s, dtype=jnp.int32)),
+        "attach": (lambda c, n: c.attach(jnp.zeros((s, 6), jnp.int32), n),
+                   jnp.zeros((s,), jnp.int32)),
+        "retain": (lambda c, p: c.retain(p, 1), jnp.zeros((8, 16), jnp.int32)),
     }
     hlo = {name: pmesh.count_collectives(jax.jit(fn).lower(cache, x).compile().as_text())
            for name, (fn, x) in ops.items()}
@@ -243,9 +312,32 @@ def worker_ops() -> dict:
                  problems=shard_problems(forked))
     reorders = dict(ok=reorder_ok.tolist(), lengths=reordered.lengths.tolist(),
                     problems=shard_problems(reordered))
-    return dict(hlo=hlo, placement=placement, fork=forks, reorder=reorders,
+    return dict(hlo=hlo, placement=placement, fork=forks, reorder=reorders, holds=_holds(cache),
                 donation=_donation(mesh, dims), beams=_beams(pmesh.make_mesh(2)),
                 scores=_scores(pmesh.make_mesh(2)))
+
+
+def _holds(cache) -> dict:
+    """The prefix cache's holds on a data-8 mesh (:mod:`paxkv.page_holds`): row 5's 4 pages
+    (shard 2; more pages than a shard has rows, which a width read off the stacked table's
+    rows axis could not hold) kept by an index hold past the row's release, attached to row 4
+    of the same shard, then to row 6 of shard 3, where those ids name free pages (refused)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from paxkv import page_holds  # noqa: PLC0415
+
+    pages = page_holds.block_tables(cache)[5, :4].tolist()
+    held = [[], [], pages] + [[]] * 5
+    cache = page_holds.retain(cache, held, 1)
+    cache, _ = cache.release(jnp.zeros((cache.max_seqs,), bool).at[5].set(True))
+    released = dict(refs=page_holds.ref_counts(cache)[2, pages].tolist(),
+                    problems=shard_problems(cache, held))
+    cache, ok = page_holds.attach(cache, 4, pages, 13)
+    cache, other_ok = page_holds.attach(cache, 6, pages, 13)
+    return dict(pages=pages, released=released, ok=[ok, other_ok],
+                lengths=[int(cache.lengths[4]), int(cache.lengths[6])],
+                refs=page_holds.ref_counts(cache)[2, pages].tolist(),
+                problems=shard_problems(cache, held))
 
 
 def _scores(mesh) -> dict:
@@ -387,6 +479,22 @@ def _check_dry_shard(dry: dict) -> None:
     assert run["short"] == ref["short"]
 
 
+def _check_prefix_waves(found: dict) -> None:
+    """The prefix cache on a (2, 1) mesh: one device's tokens; the second wave's users of the
+    system prompt start from cached pages; ref counts are the tables' and the indexes' holds
+    after every step; clearing the indexes frees every shard's pool."""
+    ref, run = found["ref"], found["mesh"]
+    assert run["tokens"] == ref["tokens"] and len({tuple(t) for t in ref["tokens"]}) > 6
+    assert run["problems"] == [] and run["after_clear"] == [], run["problems"][:5]
+    # preempted requests come back to hits of their own written pages: 5 pages, more than a
+    # shard's 4 rows (an attach sized by the stacked table's rows axis failed there)
+    assert run["preemptions"] > 0 and run["widest_hit"] == 5
+    assert all(n >= 2 * PAGE_SIZE for n in run["cached"]), run["cached"]
+    assert run["hit_tokens"] >= sum(run["cached"]) and run["cached_pages"] > 0
+    assert run["cleared"] == sum(run["per_shard"]) == run["cached_pages"]
+    assert run["free"] == [run["pages_per_shard"]] * 2
+
+
 @pytest.mark.slow  # three engine runs on 8 forced devices (~1-2 minutes)
 def test_engine_on_data_meshes_matches_one_device():
     """(8, 1), (4, 1) and (2, 1): the same greedy tokens as one device, through preemption."""
@@ -396,6 +504,9 @@ def test_engine_on_data_meshes_matches_one_device():
         print(f"data={data}: {run['steps']} steps, {run['preemptions']} preemptions")
     _check_engine_runs(found, [8, 4, 2])
     _check_dry_shard(found["dry"])
+    _check_prefix_waves(found["prefix"])
+    print("prefix cache on (2, 1):", {k: found["prefix"]["mesh"][k] for k in (
+        "cached", "per_shard", "preemptions", "hit_tokens", "widest_hit")})
     assert found["generate"]["mesh"] == found["generate"]["ref"]
     assert len({tuple(t) for t in found["generate"]["ref"]}) > 6
 
@@ -404,7 +515,7 @@ def test_table_ops_collectives_placement_and_donation():
     found = run_worker("ops")
     print("table-op collectives:", found["hlo"])
     print("step collectives:", found["donation"]["step_collectives"])
-    for name in ("reserve", "release", "reorder"):
+    for name in ("reserve", "release", "reorder", "attach", "retain"):
         assert sum(found["hlo"][name].values()) == 0, (name, found["hlo"][name])
     # a fork's pairs name global rows: one all-reduce gathers each pair's ok from its shard
     assert found["hlo"]["fork"] == dict(found["hlo"]["reserve"], **{"all-reduce": 1})
@@ -420,6 +531,11 @@ def test_table_ops_collectives_placement_and_donation():
     ok, lengths = found["reorder"]["ok"], found["reorder"]["lengths"]
     assert ok[:6] == [True, True, True, True, False, True]
     assert lengths[:6] == [5, 9, 4, 4, 0, 13] and found["reorder"]["problems"] == []
+    # the prefix cache's holds: shard-local, a hit attaches only in its own shard
+    holds = found["holds"]
+    assert holds["released"] == dict(refs=[1] * 4, problems=[])
+    assert holds["ok"] == [True, False] and holds["lengths"] == [13, 0]
+    assert holds["refs"] == [2] * 4 and holds["problems"] == []
     donation = found["donation"]
     assert donation["deleted"] and donation["ok"] and donation["problems"] == []
     # beam search on a (2, 1) mesh: one device's beams; the padding prompt's pages count too
@@ -442,7 +558,8 @@ def test_mesh_and_size_errors_name_the_fix():
     engine = found["engine"]
     assert "max_seqs=6" in engine["max_seqs"] and "max_seqs=4 or 8" in engine["max_seqs"]
     assert "num_pages=28 or 32" in engine["num_pages"]
-    assert "cache='paged'" in engine["dense"] and "prefix_cache=False" in engine["prefix"]
+    assert "cache='paged'" in engine["dense"]
+    assert engine["prefix"] == "no error"  # one prefix index per shard
     # the engine-facing num_pages is one shard's (module docstring of paxkv.sharded_cache)
     assert found["is_kv_cache"] and found["sizes"] == [4, 4, 8, 16, 4]
 
@@ -453,7 +570,7 @@ def worker_readme() -> dict:
 
     text = (ROOT / "README.md").read_text()
     block = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
-             if "sharded_cache.create(" in b]
+             if "sharded_cache.create(" in b and "make_mesh(" in b]
     assert len(block) == 1, f"{len(block)} README blocks build a sharded cache"
     namespace: dict = {}
     exec(compile(block[0], "README.md", "exec"), namespace)  # noqa: S102

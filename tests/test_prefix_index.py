@@ -9,7 +9,8 @@ id, ``v`` the id + 0.5). After every operation:
 * every cached page holds exactly its tokens (a sharer's write never reaches it: copy-on-write),
   and its digest is the chain over its ancestors' tokens and its salt;
 * every row reads back the tokens it holds;
-* evictions only drop chain tails whose only holder is the index, never a protected page.
+* evictions only drop chain tails whose only holder is the index, never a protected page, and
+  as many as ``PrefixIndex.evictable`` counted (the room a sharded engine routes by).
 
 A small token alphabet makes prefixes collide all the time; two salts share nothing.
 """
@@ -88,8 +89,9 @@ class PrefixIndexMachine(RuleBasedStateMachine):
     def _evict(self, num: int, protect=()) -> list[int]:
         refs = np.asarray(self.table.ref_counts).copy()
         before = {e.page: e for e in self.index.entries()}
+        can = self.index.evictable(refs, protect)  # the room a sharded engine routes by
         pages = self.index.evict(num, refs, protect)
-        assert len(pages) <= num and len(set(pages)) == len(pages)
+        assert len(pages) == min(num, can) and len(set(pages)) == len(pages)
         for p in pages:
             assert refs[p] == 1, "evicted a page someone else still holds"
             assert p not in protect, "evicted a protected page"
@@ -315,3 +317,20 @@ def test_attach_fails_cleanly():
     _, ok = attach_jit(table, np.array([1, 2], np.int32), pages[:2],
                        np.array([0, 7], np.int32))  # empty; longer than a row holds
     assert not np.asarray(ok).any()
+
+
+def test_evictable_skips_a_page_whose_chain_continues_in_a_page_in_use():
+    """Sequence B cached page 7 for tokens [1, 2]; sequence A prefilled its own copy (page 0),
+    so only its second page (5) was indexed, chained under 7. With B gone, 7 is held by the
+    index alone but cannot go while A holds 5: counting every page of ref count 1 as room
+    would promise a page eviction cannot free."""
+    index = PrefixIndex(2)
+    assert index.insert([1, 2], [7]) == [7]
+    assert index.insert([1, 2, 3, 4], [0, 5]) == [5]
+    refs = np.zeros(8, np.int32)
+    refs[[0, 7]], refs[5] = 1, 2  # A holds 0 and 5; the index holds 7 and 5
+    assert index.evictable(refs) == 0 and index.evict(8, refs) == []
+    refs[[0, 5]] -= 1  # A released
+    assert index.evictable(refs) == 2 and index.evictable(refs, protect=[7]) == 1
+    assert index.evictable(refs, protect=[5]) == 0  # 7 waits for its protected tail
+    assert index.evict(8, refs) == [5, 7]

@@ -3,8 +3,9 @@ cache, whose pages it is checked against, where forked samples go, and whom a dr
 preempts.
 
 The cache here is :class:`FakeShards`: the sizes and per-shard free counts of a two-shard
-cache (:class:`paxkv.protocol.Shards`) and no arrays, which is all admission and branching
-read (the jitted fork is recorded instead of run). The same decisions on real forced devices:
+cache (:class:`paxkv.protocol.Shards`) and, for the prefix cache, numpy block tables and ref
+counts in place of the device's (the jitted fork, attach and retain are recorded, and applied
+to those counts, instead of run). The same decisions on real forced devices:
 ``tests/test_mesh.py``.
 """
 
@@ -13,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
-from paxkv import policy
+from paxkv import page_holds, policy, shard_routing
 from paxkv.accounting import Counters
 from paxkv.cache_ops import CacheOps
 from paxkv.lifecycle import Lifecycle
+from paxkv.prefix_sharing import SharedPrefixes
 from paxkv.protocol import Shards, shard_layout
 from paxkv.requests import Request, RequestTable
 from paxkv.rows import RowState
@@ -47,14 +50,39 @@ class FakeShards:
     def shard_free_pages(self) -> np.ndarray:
         return np.full(self.num_shards, self.num_pages, np.int32)
 
+    def __post_init__(self) -> None:
+        # what page_holds reads of a real cache: [data, num_pages], [max_seqs, pages a row]
+        self.refs = np.zeros((self.num_shards, self.num_pages), np.int64)
+        self.block_tables = np.full((self.max_seqs, self.max_len // self.page_size),
+                                    self.num_pages, np.int64)
+
 
 class RecordingOps(CacheOps):
-    """:class:`CacheOps` whose fork records ``(parent, children)`` instead of running."""
+    """:class:`CacheOps` whose fork, attach and retain record their arguments instead of
+    running (retain also counts into the fake's ref counts)."""
 
     forks: list[tuple[int, list[int]]]
+    attaches: list[tuple[int, list[int], int]]
+    retains: list[tuple[list[list[int]], int]]
 
     def fork(self, parent: int, children: list[int]) -> None:
         self.forks.append((parent, list(children)))
+
+    def attach(self, row: int, pages: list[int], num_tokens: int) -> None:
+        self.attaches.append((row, list(pages), num_tokens))
+
+    def retain_shards(self, pages_by_shard: list[list[int]], delta: int) -> None:
+        self.retains.append(([list(map(int, p)) for p in pages_by_shard], delta))
+        for shard, pages in enumerate(pages_by_shard):
+            np.add.at(self.cache.refs[shard], np.asarray(pages, np.int64), delta)
+
+
+@pytest.fixture
+def fake_reads(monkeypatch):
+    """The prefix cache reads a :class:`FakeShards`' numpy tables (a real cache's live on the
+    device)."""
+    monkeypatch.setattr(page_holds, "ref_counts", lambda cache: cache.refs)
+    monkeypatch.setattr(page_holds, "block_tables", lambda cache: cache.block_tables)
 
 
 def _req(rid: int, prompt: int, max_new: int = 8, output: int = 0, **kw) -> Request:
@@ -64,11 +92,15 @@ def _req(rid: int, prompt: int, max_new: int = 8, output: int = 0, **kw) -> Requ
     return r
 
 
-def _engine_parts(cache: FakeShards) -> tuple[Scheduler, RequestTable, RecordingOps]:
+def _engine_parts(cache: FakeShards,
+                  cached: bool = False) -> tuple[Scheduler, RequestTable, RecordingOps]:
+    """A scheduler over ``cache`` (with a prefix index per shard when ``cached``) admitting
+    whatever fits now."""
     table = RequestTable(cache.max_seqs)
     ops = RecordingOps(cache)
-    ops.forks = []
-    life = Lifecycle(None, table, RowState(table), ops, None, Counters(),
+    ops.forks, ops.attaches, ops.retains = [], [], []
+    prefixes = SharedPrefixes(ops, cache.page_size) if cached else None
+    life = Lifecycle(None, table, RowState(table), ops, prefixes, Counters(),
                      policy.Growth(start=0.0, floor=0.0))
     return Scheduler(life, prefill_chunk=16, prefill_tokens=64), table, ops
 
@@ -172,3 +204,117 @@ def test_a_scoring_context_goes_whole_to_the_roomiest_shard_with_its_rows():
     assert pick_shard([1, 4], [9, 3], rows=2) == 1  # shard 0 lacks the rows
     assert pick_shard([2, 2], [5, 5], rows=2) == 0  # ties: the lower shard
     assert pick_shard([1, 1], [5, 5], rows=2) is None
+
+
+# -- the prefix cache on shards ------------------------------------------------------------
+PROMPT = list(range(100, 110))  # 2 full pages of 4 and 2 tokens
+
+
+def test_routing_prefers_the_shard_whose_hit_is_longest_when_it_fits():
+    route = shard_routing.pick_row_for_hits
+    # least loaded: shard 0 (more free pages); the hit lives in shard 1
+    assert shard_routing.pick_row([0, 1, 2, 3], 2, [8, 6], [0, 0], 4) == 0
+    assert route([0, 1, 2, 3], 2, [8, 6], [0, 0], 4, [0, 8], [True, True]) == 2
+    assert route([0, 1, 2, 3], 2, [8, 6], [0, 0], 4, [4, 8], [True, True]) == 2  # longest
+    assert route([0, 3], 2, [2, 6], [0, 0], 4, [8, 8], [True, True]) == 3  # ties: headroom
+    assert route([0, 3], 2, [6, 6], [0, 0], 4, [8, 8], [True, True]) == 0  # then lower shard
+    # the hit shard has no free row, or the request does not fit it: least loaded
+    assert route([0, 1], 2, [8, 6], [0, 0], 4, [0, 8], [True, True]) == 0
+    assert route([0, 1, 2, 3], 2, [8, 1], [0, 0], 4, [0, 8], [True, False]) == 0
+    # no hit anywhere: pick_row's choice
+    assert route([0, 1, 2, 3], 2, [5, 6], [0, 0], 4, [0, 0], [True, True]) == 2
+    with pytest.raises(ValueError, match="at least one free row"):
+        route([], 2, [1, 1], [0, 0], 4, [0, 0], [True, True])
+
+
+def _cache_prompt(sched: Scheduler, shard: int, tokens: list[int], pages: list[int]) -> None:
+    """``tokens`` cached in ``shard``'s index on ``pages`` (held by the index alone)."""
+    new = sched.prefixes.shards[shard].insert(tokens, pages)
+    sched.ops.retain(new, 1, shard)
+    sched.ops.shard_free[shard] -= len(new)
+
+
+def _queue(table: RequestTable, *reqs: Request) -> None:
+    for r in reqs:
+        table.add(r)
+        table.waiting.append(r)
+
+
+def _prompt_req(rid: int, prompt: list[int] = PROMPT) -> Request:
+    return Request.make(rid, prompt, SamplingParams(max_new_tokens=4), frozenset(),
+                        np.zeros(2, np.uint32))
+
+
+def test_a_request_goes_to_the_shard_holding_its_prefix(fake_reads):
+    """The hit lives in shard 1, the least-loaded shard is 0: the request takes row 2 and
+    attaches shard 1's pages (their ids mean other pages in shard 0)."""
+    sched, table, ops = _engine_parts(FakeShards(), cached=True)
+    _cache_prompt(sched, 1, PROMPT[:8], [5, 6])
+    assert ops.shard_free.tolist() == [8, 6] and ops.cache.refs[1, [5, 6]].tolist() == [1, 1]
+    req = _prompt_req(0)
+    _queue(table, req)
+    assert sched.admit() == [req] and req.row == 2
+    assert ops.attaches == [(2, [5, 6], 8)]
+    assert req.num_cached_tokens == 8 and sched.prefixes.hit_tokens == 8
+    assert ops.shard_free.tolist() == [8, 5]  # 1 page: the rest of its prompt and a token
+    assert len(sched.prefixes) == 2 and sched.prefixes.lookup_tokens == 10
+    with pytest.raises(AttributeError, match="one prefix index per shard"):
+        sched.prefixes.index  # noqa: B018
+
+
+def test_a_hit_shard_without_a_free_row_or_room_sends_the_request_elsewhere(fake_reads):
+    sched, table, ops = _engine_parts(FakeShards(), cached=True)
+    _cache_prompt(sched, 1, PROMPT[:8], [5, 6])
+    _run(table, _req(10, 3), row=2, cached=3)
+    _run(table, _req(11, 3), row=3, cached=3)
+    req = _prompt_req(0)
+    _queue(table, req)
+    assert sched.admit() == [req] and req.row == 0 and ops.attaches == []
+    assert req.num_cached_tokens == 0
+    # a row is free again, but shard 1 is busy and out of pages (the hit's own pages cannot
+    # be evicted for it): shard 0 again
+    sched, table, ops = _engine_parts(FakeShards(), cached=True)
+    _cache_prompt(sched, 1, PROMPT[:8], [5, 6])
+    _run(table, _req(10, 3), row=3, cached=3)
+    ops.shard_free[1] = 0
+    req = _prompt_req(0)
+    _queue(table, req)
+    assert sched.admit() == [req] and req.row == 0 and ops.attaches == []
+
+
+def test_eviction_for_a_hit_frees_pages_in_the_hits_shard_only(fake_reads):
+    """Shard 1 holds the hit (pages 5, 6) and another prompt's pages 1, 2; shard 0 holds a
+    third prompt on its own pages 1, 2. Shard 1 has no free page, but evicting makes room
+    there: the request goes to shard 1, which drops its own chain tail (page 2), never the
+    hit's pages, and shard 0's index is left alone."""
+    sched, table, ops = _engine_parts(FakeShards(), cached=True)
+    _cache_prompt(sched, 1, PROMPT[:8], [5, 6])
+    _cache_prompt(sched, 1, list(range(50, 58)), [1, 2])
+    _cache_prompt(sched, 0, list(range(70, 78)), [1, 2])
+    _run(table, _req(10, 3), row=3, cached=3)
+    ops.shard_free[1] = 0
+    req = _prompt_req(0)
+    _queue(table, req)
+    assert sched.admit() == [req] and req.row == 2 and ops.attaches == [(2, [5, 6], 8)]
+    assert ops.retains[-1] == ([[], [2]], -1)
+    assert sched.prefixes.shards[0].pages() == [1, 2]
+    assert sched.prefixes.shards[1].pages() == [1, 5, 6]
+    assert ops.cache.refs[0, [1, 2]].tolist() == [1, 1] and ops.cache.refs[1, 2] == 0
+    assert ops.shard_free.tolist() == [6, 0]  # evicted 1, took 1
+    # its written pages go to its shard's index, under shard 1's ids
+    ops.cache.block_tables[2, :3] = [5, 6, 3]
+    req.output, req.cached = [1, 2], 12
+    sched.prefixes.index_rows([req])
+    assert ops.retains[-1] == ([[], [3]], 1)
+    assert sched.prefixes.shards[1].pages() == [1, 3, 5, 6]
+    assert sched.prefixes.shards[0].pages() == [1, 2]
+
+
+def test_one_prompt_prefills_once_per_shard_in_a_round(fake_reads):
+    """Three requests of one uncached prompt: the first two start in different shards (each
+    shard prefills its own copy), the third waits for the next round, when it hits."""
+    sched, table, _ = _engine_parts(FakeShards(), cached=True)
+    reqs = [_prompt_req(i) for i in range(3)]
+    _queue(table, *reqs)
+    assert sched.admit() == reqs[:2] and [r.row for r in reqs[:2]] == [0, 2]
+    assert list(table.waiting) == [reqs[2]]

@@ -1,0 +1,89 @@
+"""The sharded cache across processes (:mod:`paxkv.distributed`, :mod:`paxkv.launch`).
+
+``experiments/multiprocess.py``'s decode loop on the tiny random Llama runs twice in
+subprocesses, one after the other: as 2 processes x 4 forced CPU devices through the launcher
+(a free local port, gloo collectives) and as one process with 8 devices. Checked: equal greedy
+tokens (varied, every row's reserve ok); each process fed only its own rows and held only
+its own data shards of the pool and page table (``addressable_shards``); every shard's pool
+is free after the release. Each run has a deadline, so a stuck worker (gloo waits for a dead
+peer) fails the test instead of hanging it. The launcher itself: a process that fails stops
+the others and names itself; the deadline stops them all.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+from paxkv import launch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEADLINE_S = 150  # one run; each takes ~10-20 s on two shared cores
+# The suite's persistent compile cache (conftest) off for the two processes: one loading a
+# cached step while the other compiles it would reach gloo's collectives far apart (30 s limit).
+NO_SHARED_COMPILES = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+
+def _loop(tmp: pathlib.Path, name: str, prefix: list[str], env: dict[str, str]) -> dict:
+    """``experiments.multiprocess --quick`` under ``prefix``: its results (process 0's)."""
+    out = tmp / f"{name}.json"
+    proc = subprocess.run([*prefix, "experiments.multiprocess", "--quick", "--out", str(out)],
+                          cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=DEADLINE_S + 30)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())["results"]
+
+
+def test_two_processes_give_one_process_tokens(tmp_path):
+    py = [sys.executable]
+    start = time.perf_counter()
+    two = _loop(tmp_path, "two", [*py, "-m", "paxkv.launch", "--processes", "2", "--devices",
+                                  "4", "--timeout", str(DEADLINE_S), "--"], NO_SHARED_COMPILES)
+    one = _loop(tmp_path, "one", [*py, "-m"], dict(JAX_NUM_CPU_DEVICES="8",
+                                                   JAX_PLATFORMS="cpu"))
+    print(f"both runs: {time.perf_counter() - start:.1f} s")
+    assert (two["processes"], two["devices"], one["processes"], one["devices"]) == (2, 8, 1, 8)
+    assert two["tokens"] == one["tokens"]
+    assert len({tuple(t) for t in one["tokens"]}) == one["max_seqs"], "tokens should vary"
+    assert all(two["ok"]) and all(one["ok"])
+    assert two["rows"] == [list(range(8)), list(range(8, 16))]  # 2 rows a shard
+    assert two["local_tokens"] == [one["tokens"][:8], one["tokens"][8:]]
+    assert two["held_pool"] == two["held_table"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert one["held_pool"] == [list(range(8))]
+    for run in (one, two):
+        assert run["free_pages"] == [run["pages_per_shard"]] * 8
+
+
+SCRIPT = """
+import os, sys, time
+pid = int(os.environ["PAXKV_PROCESS_ID"])
+env = os.environ
+print("process", pid, "of", env["PAXKV_NUM_PROCESSES"], "at", env["PAXKV_COORDINATOR"],
+      "devices", env.get("JAX_NUM_CPU_DEVICES"), flush=True)
+if pid == int(sys.argv[1]):
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+def test_launcher_stops_the_others_when_one_fails_or_time_runs_out(tmp_path, capsys):
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    out = io.StringIO()
+    start = time.perf_counter()
+    code = launch.launch([str(script), "1"], processes=3, devices=2, timeout=60, out=out)
+    assert code == 3 and time.perf_counter() - start < 30
+    assert "paxkv.launch: process 1 failed (exit 3)" in capsys.readouterr().err
+    lines = sorted(x for x in out.getvalue().splitlines() if "process" in x)
+    assert [x.split(" at ")[0] for x in lines] == [f"[p{i}] process {i} of 3" for i in range(3)]
+    assert all(x.endswith("devices 2") for x in lines)
+
+    start = time.perf_counter()
+    code = launch.launch([str(script), "-1"], processes=2, timeout=2, out=io.StringIO())
+    assert code == 124 and time.perf_counter() - start < 2 + launch.GRACE_S + 5
+    assert "deadline of 2 s passed; still running: [0, 1]" in capsys.readouterr().err
