@@ -98,19 +98,6 @@ class DenseCache:
         """int32 scalar: free rows."""
         return jnp.sum(~self.active).astype(jnp.int32)
 
-    @property
-    def num_shards(self) -> int:
-        """One cache: one shard (:class:`paxkv.protocol.Shards`)."""
-        return 1
-
-    @property
-    def rows_per_shard(self) -> int:
-        return self.max_seqs
-
-    def shard_free_pages(self) -> jax.Array:
-        """int32 ``[1]``: free rows, as the one shard's."""
-        return self.free_pages()[None]
-
     def pages_used(self) -> jax.Array:
         """int32 ``[max_seqs]``: 1 per active row."""
         return self.active.astype(jnp.int32)

@@ -124,19 +124,6 @@ class PagedCache:
         """int32 scalar: pages nobody holds."""
         return jnp.sum(self.table.ref_counts == 0).astype(jnp.int32)
 
-    @property
-    def num_shards(self) -> int:
-        """One pool: one shard (:class:`paxkv.protocol.Shards`)."""
-        return 1
-
-    @property
-    def rows_per_shard(self) -> int:
-        return self.max_seqs
-
-    def shard_free_pages(self) -> jax.Array:
-        """int32 ``[1]``: :meth:`free_pages` as the one shard's."""
-        return self.free_pages()[None]
-
     def pages_used(self) -> jax.Array:
         """int32 ``[max_seqs]``: pages each row references."""
         return self.table.pages_held()

@@ -125,9 +125,9 @@ class Shards(Protocol):
     shard ``r // rows_per_shard`` and draws pages only from that shard's pool, so a scheduler
     must place a request where its shard has room, and keep forks inside one shard.
 
-    ``PagedCache`` and ``DenseCache`` are one shard of ``max_seqs`` rows;
-    ``ShardedPagedCache`` is one per data index of its mesh. Optional: a :class:`KVCache`
-    without these members is one shard (:func:`shard_layout`).
+    ``ShardedPagedCache`` has one per data index of its mesh. Optional: a :class:`KVCache`
+    without these members (``PagedCache``, ``DenseCache``) is one shard of ``max_seqs`` rows
+    (:func:`shard_layout`, :func:`shard_free_pages`).
     """
 
     num_shards: int
