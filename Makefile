@@ -29,9 +29,10 @@ demo: $(VENV)/.runtime
 test: $(VENV)/.testing
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
-# The edit-test loop: no HF oracle, no run of the 135M model, no long run (`slow`).
+# The edit-test loop: no HF oracle, no run of the 135M model, no long run (`slow`), one case
+# of each parametrized grid (`grid`), no forced-device subprocesses (`devices`).
 test-fast: $(VENV)/.testing
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not oracle and not model and not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not oracle and not model and not slow and not grid and not devices"
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .jax_cache

@@ -75,6 +75,16 @@ def check_model_axis(name: str, size: int, mesh: Mesh) -> None:
                      f"(data, model) mesh of {either(shapes)}")
 
 
+def split_data(name: str, total: int, data: int) -> int:
+    """``total / data`` (a size split evenly over the data axis), or a ``ValueError`` naming
+    ``name`` and the nearest sizes that fit."""
+    if not isinstance(total, int) or total < data or total % data:
+        lo, hi = max(data, total // data * data), (total // data + 1) * data
+        raise ValueError(f"{name}={total!r} must be a positive multiple of the mesh's data "
+                         f"axis ({data}): use {name}={lo} or {hi}, or another data axis")
+    return total // data
+
+
 def divisors(n: int, most: int = 64) -> list[int]:
     """The axis sizes up to ``most`` that split ``n`` evenly (for error messages)."""
     return [m for m in range(1, min(n, most) + 1) if n % m == 0]

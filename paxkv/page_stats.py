@@ -43,14 +43,29 @@ def stats(table: PageTable) -> TableStats:
         fill, mode="drop")
     used = jnp.sum(table.ref_counts > 0)
     filled = jnp.sum(page_fill)
-    capacity = used * ps
     return TableStats(
         free_pages=table.num_pages - used, used_pages=used,
         shared_pages=jnp.sum(table.ref_counts > 1),
         tokens_held=jnp.sum(table.lengths), slots_filled=filled,
-        internal_fragmentation=jnp.where(
-            capacity > 0, 1.0 - filled / jnp.maximum(capacity, 1), 0.0).astype(jnp.float32),
+        internal_fragmentation=_fragmentation(filled, used * ps),
         active_seqs=jnp.sum(table.active))
+
+
+def _fragmentation(filled: jax.Array, capacity: jax.Array) -> jax.Array:
+    """float32: the share of ``capacity`` slots (of pages in use) that hold no token."""
+    return jnp.where(capacity > 0, 1.0 - filled / jnp.maximum(capacity, 1),
+                     0.0).astype(jnp.float32)
+
+
+def total(s: TableStats, page_size: int) -> TableStats:
+    """One table's accounting from per-shard stats (each field ``[data]``, one entry per
+    data shard's table): counts summed, fragmentation over all shards' used pages."""
+    used, filled = jnp.sum(s.used_pages), jnp.sum(s.slots_filled)
+    return TableStats(
+        free_pages=jnp.sum(s.free_pages), used_pages=used,
+        shared_pages=jnp.sum(s.shared_pages), tokens_held=jnp.sum(s.tokens_held),
+        slots_filled=filled, internal_fragmentation=_fragmentation(filled, used * page_size),
+        active_seqs=jnp.sum(s.active_seqs))
 
 
 @jax.tree_util.register_dataclass
@@ -82,3 +97,12 @@ def sharing_stats(table: PageTable) -> SharingStats:
         jnp.where(cells, table.block_tables, table.num_pages + 1)].add(1, mode="drop")
     return SharingStats(pages_held=held, shared_held=jnp.sum(cells & (refs > 1), axis=1),
                         row_references=jnp.sum(held), row_pages=jnp.sum(row_refs > 0))
+
+
+def total_sharing(s: SharingStats) -> SharingStats:
+    """Per-shard sharing stats (per-row fields ``[data, rows_per_shard]``, totals ``[data]``)
+    as one table's: rows in global order (shard-major), totals summed."""
+    return SharingStats(pages_held=s.pages_held.reshape(-1),
+                        shared_held=s.shared_held.reshape(-1),
+                        row_references=jnp.sum(s.row_references),
+                        row_pages=jnp.sum(s.row_pages))

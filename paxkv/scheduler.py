@@ -16,11 +16,11 @@ len(tokens) - 1``). When the pool runs dry mid-decode, the policy's victim is pr
 recomputed later (its written pages go to the prefix index first, if any).
 
 On a sharded cache (:class:`paxkv.protocol.Shards`) a row draws only on its shard's pages, so
-every page decision is a shard's: a new request goes to a row of the shard :meth:`_route` picks
-(the one whose prefix index serves the most of its prompt, when that shard has a free row and
-room; else the least-loaded) and is admitted against that shard's free pages; a request forking
-a held prefix waits for a row in the prefix's shard; a shard that runs dry preempts one of its
-own requests and evicts only its own cached pages.
+every page decision is a shard's (:mod:`paxkv.admission`): a new request goes to a row of the
+shard whose prefix index serves the most of its prompt, when that shard has a free row and
+room, else of the least-loaded one, and is admitted against that shard's free pages; a request
+forking a held prefix waits for a row in the prefix's shard; a shard that runs dry preempts one
+of its own requests and evicts only its own cached pages.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from paxkv import buckets, policy, shard_routing
+from paxkv import admission, policy
 from paxkv.attention import plan as attention_plan
 from paxkv.lifecycle import Lifecycle
 from paxkv.prefix_cache import Hit
@@ -88,7 +88,7 @@ class Scheduler:
 
     def admit(self) -> list[Request]:
         """One admission round (see the module docstring): each request goes to a row of the
-        shard :meth:`_route` picks if it fits that shard's free pages."""
+        shard :func:`paxkv.admission.route` picks if it fits that shard's free pages."""
         admitted: list[Request] = []
         pending: set[tuple[int, bytes]] = set()  # (shard, digest) being prefilled this round
         while self.table.waiting and self.table.free_rows():
@@ -98,7 +98,7 @@ class Scheduler:
                 break  # its shared prefix is still being prefilled
             hits, digests = (([], []) if holder or self.prefixes is None
                              else self.prefixes.lookup(req))
-            row = self._route(req, holder, hits)
+            row = admission.route(self.life, req, holder, hits)
             if row is None:
                 break  # the prefix's shard has no free row: wait for one
             shard = self.ops.shard_of(row)
@@ -107,7 +107,7 @@ class Scheduler:
                 break  # an earlier admission of this round is prefilling that page there
             cached = holder.cached if holder else hit.num_tokens
             need = policy.pages_to_admit(len(req.tokens), cached, self.ops.cache.page_size)
-            if not self._fits(row, need, hit):
+            if not admission.fits(self.life, row, need, hit):
                 break
             self.table.waiting.popleft()
             self.rows.place(req, row)
@@ -124,48 +124,6 @@ class Scheduler:
             pending.update((shard, d) for d in digests)
             admitted.append(req)
         return admitted
-
-    def _route(self, req: Request, holder: Request | None, hits: list[Hit]) -> int | None:
-        """The free row a new request takes: in its held prefix's shard (a fork shares pages,
-        so it cannot cross shards; None when that shard has no free row), else in the shard
-        whose prefix index serves the most of it, if it fits there, else in the least-loaded
-        shard (:func:`paxkv.shard_routing.pick_row_for_hits`; one shard: the lowest row).
-        Pages only an index holds count as free: eviction makes them room."""
-        free_rows, ops = self.table.free_rows(), self.ops
-        if holder is not None:
-            mine = [r for r in free_rows if ops.shard_of(r) == ops.shard_of(holder.row)]
-            return mine[0] if mine else None
-        if ops.num_shards == 1:
-            return free_rows[0]
-        queued = policy.queued_tokens(self.table.running(), ops.rows_per_shard, ops.num_shards)
-        free, ps = ops.shard_free.copy(), ops.cache.page_size
-        if not hits:  # no prefix cache
-            return shard_routing.pick_row(free_rows, ops.rows_per_shard, free, queued, ps)
-        free += self.prefixes.reclaimable(hits)
-        fits = []
-        for shard, hit in enumerate(hits):
-            ahead, busy = self._ahead(shard)
-            need = policy.pages_to_admit(len(req.tokens), hit.num_tokens, ps)
-            fits.append(policy.admits(need, int(free[shard]) - ahead, busy))
-        return shard_routing.pick_row_for_hits(free_rows, ops.rows_per_shard, free, queued, ps,
-                                               [h.num_tokens for h in hits], fits)
-
-    def _ahead(self, shard: int) -> tuple[int, bool]:
-        """Pages ``shard``'s running requests are projected to grow into
-        (:class:`paxkv.policy.Growth`), and whether it runs any."""
-        mine = [r for r in self.table.running() if self.ops.shard_of(r.row) == shard]
-        return self.growth.pages_ahead(mine, self.ops.cache.page_size), bool(mine)
-
-    def _fits(self, row: int, need: int, hit: Hit) -> bool:
-        """Whether ``need`` pages fit ``row``'s shard beside the growth its running requests
-        are projected to take, evicting that shard's cached pages for room first; a shard
-        running nothing admits anyway (:func:`paxkv.policy.admits`)."""
-        shard = self.ops.shard_of(row)
-        ahead, busy = self._ahead(shard)
-        short = need + ahead - int(self.ops.shard_free[shard])
-        if short > 0 and self.prefixes is not None:
-            self.prefixes.evict(short, protect=hit.pages, shard=shard)
-        return policy.admits(need, int(self.ops.shard_free[shard]) - ahead, busy)
 
     def prefill(self, group: list[Request]) -> None:
         self._prefilled([r for r in group if r.cached >= r.target])  # fully cached

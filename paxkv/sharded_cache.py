@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from paxkv import buckets, mesh as pmesh, sharded_attention
+from paxkv import buckets, mesh as pmesh, page_stats, sharded_attention
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
 from paxkv.paged_cache import PagedCache, resolve_impl
@@ -249,24 +249,12 @@ class ShardedPagedCache:
 
     def stats(self) -> pt.TableStats:
         """Pool-wide accounting over all shards (scalars)."""
-        s = self.shard_stats()
-        used, filled = jnp.sum(s.used_pages), jnp.sum(s.slots_filled)
-        capacity = used * self.page_size
-        return pt.TableStats(
-            free_pages=jnp.sum(s.free_pages), used_pages=used,
-            shared_pages=jnp.sum(s.shared_pages), tokens_held=jnp.sum(s.tokens_held),
-            slots_filled=filled, active_seqs=jnp.sum(s.active_seqs),
-            internal_fragmentation=jnp.where(
-                capacity > 0, 1.0 - filled / jnp.maximum(capacity, 1), 0.0).astype(jnp.float32))
+        return page_stats.total(self.shard_stats(), self.page_size)
 
     def sharing_stats(self) -> pt.SharingStats:
         """Who shares what (:func:`paxkv.page_table.sharing_stats` per shard): per-row fields
         ``[max_seqs]`` in global row order, totals over all shards."""
-        s = jax.vmap(pt.sharing_stats)(self.tables)
-        return pt.SharingStats(pages_held=s.pages_held.reshape(-1),
-                               shared_held=s.shared_held.reshape(-1),
-                               row_references=jnp.sum(s.row_references),
-                               row_pages=jnp.sum(s.row_pages))
+        return page_stats.total_sharing(jax.vmap(pt.sharing_stats)(self.tables))
 
     def attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                step: StepInfo, *, sm_scale: float | None = None,
@@ -275,15 +263,6 @@ class ShardedPagedCache:
         t, K, Dh]`` -> ``(cache, [b, t, H, Dh])`` (:func:`paxkv.sharded_attention.attend`)."""
         return sharded_attention.attend(self, layer, q, k, v, step,
                                         dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap))
-
-
-def _split(name: str, total: int, data: int) -> int:
-    """``total / data``, or a ``ValueError`` naming ``name`` and the nearest sizes that fit."""
-    if not isinstance(total, int) or total < data or total % data:
-        lo, hi = max(data, total // data * data), (total // data + 1) * data
-        raise ValueError(f"{name}={total!r} must be a positive multiple of the mesh's data "
-                         f"axis ({data}): use {name}={lo} or {hi}, or another data axis")
-    return total // data
 
 
 def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
@@ -298,7 +277,8 @@ def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num
     data, model = pmesh.axis_sizes(mesh)
     pmesh.check_model_axis("num_kv_heads", num_kv_heads, mesh)
     mesh = pmesh.auto(mesh)
-    rows, pages = _split("max_seqs", max_seqs, data), _split("num_pages", num_pages, data)
+    rows = pmesh.split_data("max_seqs", max_seqs, data)
+    pages = pmesh.split_data("num_pages", num_pages, data)
     if not isinstance(page_size, int) or page_size < 1 or max_len < 1:
         raise ValueError(f"page_size and max_len must be ints >= 1, got {page_size!r}, "
                          f"{max_len!r}")

@@ -39,10 +39,18 @@ def _share_compiles(folder: str) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks every test that loads the default model (``make test-fast`` skips them)."""
+    """Marks what ``make test-fast`` skips: every test that loads the default model
+    (``model``), and every case of a parametrized test but its first (``grid``: the first
+    case stands for the grid in the edit-test loop; ``make test`` runs them all)."""
+    first: set[tuple[str, str]] = set()
     for item in items:
         if {"lm", "hf"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+        if getattr(item, "callspec", None) is not None:
+            key = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+            if key in first:
+                item.add_marker(pytest.mark.grid)
+            first.add(key)
 
 
 # Linux lets a process hold at most vm.max_map_count (65,530 here) memory mappings, and every

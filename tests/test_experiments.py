@@ -16,6 +16,9 @@ import pytest
 from experiments import accounting, cancel, capacity, common, plots, reserve, short
 from tiny import tiny_lm
 
+# The experiments' own checks: `make test` runs them, `make test-fast` not.
+pytestmark = pytest.mark.slow
+
 
 def test_arena_first_fit_and_stranded_holes():
     arena = accounting.Arena(10)

@@ -253,6 +253,7 @@ def test_int8_on_the_default_model_is_near_lossless_over_real_text(lm):
     assert abs(int8["perplexity_pct"]) <= 0.5, int8
 
 
+@pytest.mark.slow  # an experiment's own check (`make test` runs it)
 def test_the_kv_dtype_experiment_measures_every_dtype_on_a_tiny_model():
     """``experiments.kv_dtype``'s parts at tiny sizes: the capacity arithmetic, teacher
     forcing in lockstep, and a decode cell of every dtype."""
@@ -277,6 +278,7 @@ def test_the_kv_dtype_experiment_measures_every_dtype_on_a_tiny_model():
     assert all(cell["per_dtype"][d]["tok_s"] > 0 for d in dtypes)
 
 
+@pytest.mark.slow  # beam search on an int8 pool end to end (`make test` runs it)
 def test_beam_search_takes_int8_kv():
     """Beam search over int8 pages: paged equals the dense twin (both int8), every page free
     at the end (``search`` checks it), and the beams hold as many tokens as asked."""

@@ -11,9 +11,7 @@ import pytest
 
 import paxkv
 from paxkv import steps
-from paxkv.full_attention import NoCache
-from paxkv.step_info import StepInfo
-from tiny import tiny_lm
+from tiny import full_logits, tiny_lm
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 1, 42], [8, 8, 9], list(range(30, 70)), [200] * 5]
 
@@ -21,9 +19,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 1, 42], [8, 8, 9], list(range(30, 70)), [20
 def full_logprobs(lm, seq: list[int]) -> np.ndarray:
     """``[len(seq), vocab]``: log-softmax of the cache-less forward at every position (float32
     throughout: the cached paths agree within ~5e-5 on this model's large logits)."""
-    step = StepInfo.make(jnp.array([len(seq)]), jnp.array([len(seq)]), len(seq))
-    logits, _ = lm.forward(lm.params, jnp.array([seq]), step, NoCache(), all_logits=True)
-    return np.asarray(jax.nn.log_softmax(logits[0]), np.float64)
+    return np.asarray(jax.nn.log_softmax(full_logits(lm, seq)), np.float64)
 
 
 def check(lm, result, k: int) -> None:
@@ -48,6 +44,7 @@ def test_generated_logprobs_equal_the_cacheless_forward(cache):
         check(lm, r, 3)
 
 
+@pytest.mark.slow  # an engine run through preemption (`make test` runs it)
 def test_logprobs_through_preemption_and_samples():
     """A pool too small for the batch preempts and recomputes; samples carry their own."""
     lm = tiny_lm(scale=1.0)

@@ -20,7 +20,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from paxkv import launch
+
+# Forced CPU devices in subprocesses: `make test` runs these, `make test-fast` not.
+pytestmark = pytest.mark.devices
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEADLINE_S = 150  # one run; each takes ~10-20 s on two shared cores

@@ -40,3 +40,21 @@ def tiny_lm(eos: tuple[int, ...] = (), scale: float = 0.3) -> models.LanguageMod
     rng = np.random.default_rng(0)  # random weights without compiling flax's init
     params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, scale, s.shape), s.dtype), shapes)
     return models.LanguageModel(cfg, params, Bytes(), "tiny")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _all_logits(lm: models.LanguageModel, ids: jax.Array) -> jax.Array:
+    n = jnp.array([ids.shape[1]])
+    return lm.forward(lm.params, ids, StepInfo.make(n, n, ids.shape[1]), NoCache(),
+                      all_logits=True)[0]
+
+
+def full_logits(lm: models.LanguageModel, seq: list[int], multiple: int = 64) -> np.ndarray:
+    """float32 ``[len(seq), vocab]``: the cache-less forward's logits at every position of
+    ``seq``, the reference the cached paths must equal. Compiled once per ``multiple`` of
+    length: ``seq`` is padded at the end, which a causal model's earlier positions never see
+    (an eager forward compiles every op again for each new length)."""
+    width = -(-len(seq) // multiple) * multiple
+    ids = np.zeros((1, width), np.int32)
+    ids[0, :len(seq)] = seq
+    return np.asarray(_all_logits(lm, jnp.asarray(ids))[0, :len(seq)])
