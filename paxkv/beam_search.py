@@ -218,13 +218,13 @@ def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
     if cache == "paged" and p == 1:  # every beam starts with the prompt's pages: read them once
         plan = AttentionPlan(prefix_pages=prefix_bucket(lens[0] // ps))
     start = time.perf_counter()
-    kv, logp0, ok = _prefill_fork(lm.forward, lm.params, kv, jnp.asarray(tokens),
-                                  jnp.asarray(lens, jnp.int32), beam_width=w)
+    kv, logp0, ok = _prefill_fork(lm.forward, lm.params, kv, tokens,
+                                  np.asarray(lens, np.int32), beam_width=w)
     if not bool(ok):
         raise RuntimeError("prefill or fork failed: the pool is too small (a bug in sizing)")
     mid = time.perf_counter()
     kv, beams, stats = _search(
-        lm.forward, lm.params, kv, logp0, jnp.asarray(stops, jnp.int32).reshape(-1),
+        lm.forward, lm.params, kv, logp0, np.asarray(stops, np.int32).reshape(-1),
         jnp.float32(length_penalty), jnp.int32(_EARLY[early_stopping]), max_new_tokens=n,
         plan=plan)
     stats, loop_s = np.asarray(stats), time.perf_counter() - mid

@@ -32,6 +32,15 @@ from paxkv.protocol import KVCache, shard_free_pages, shard_layout
 from paxkv.sampling import RowSampling
 
 
+def host(x: Any, dtype: Any) -> np.ndarray:
+    """A fresh numpy copy of ``x`` to hand a jitted step. ``jnp.asarray`` of a host array
+    compiles a tiny copy program per shape and dtype (jax 0.10.2: ``jit(stage)``,
+    ``jit(convert_element_type)``; 40 of the engine state machine's 131 compiles); a jitted
+    function takes numpy as it is. A copy, because the caller may change its array while
+    the step still reads it."""
+    return np.array(x, dtype)
+
+
 def pad(values: Sequence[int], width: int, fill: int) -> np.ndarray:
     """int32 ``[width]``: ``values`` then ``fill``."""
     out = np.full(width, fill, np.int32)
@@ -242,8 +251,8 @@ class CacheOps:
         if not children:
             return
         self.cache, ok = fork_rows(
-            self.cache, jnp.asarray(pad([parent] * len(children), self.max_seqs, -1)),
-            jnp.asarray(pad(list(children), self.max_seqs, -1)))
+            self.cache, pad([parent] * len(children), self.max_seqs, -1),
+            pad(list(children), self.max_seqs, -1))
         if not np.asarray(ok)[:len(children)].all():
             raise RuntimeError(f"forking row {parent} into rows {list(children)} failed")
         self.shares = self.cache.shares_pages
@@ -252,7 +261,7 @@ class CacheOps:
         """Ends ``rows``: pages only they held are free at once."""
         mask = np.zeros(self.max_seqs, bool)
         mask[list(rows)] = True
-        self.cache, _ = release_rows(self.cache, jnp.asarray(mask))
+        self.cache, _ = release_rows(self.cache, mask)
         self.refresh_free()
 
     def run_step(self, run: Any) -> tuple[Any, ...]:
@@ -277,8 +286,8 @@ class CacheOps:
         """:func:`paxkv.steps.prefill_step` -> ``(next_tokens [b], ok [b])`` as numpy (with
         ``logprobs``, ``next_tokens`` is a :class:`paxkv.sampling.Sampled` of numpy arrays)."""
         return self.run_step(lambda: steps.prefill_step(
-            model.forward, model.params, self.cache, jnp.asarray(tokens), jnp.asarray(rows),
-            jnp.asarray(query_lengths), sampling, plan=plan, logprobs=logprobs))
+            model.forward, model.params, self.cache, host(tokens, np.int32), host(rows, np.int32),
+            host(query_lengths, np.int32), sampling, plan=plan, logprobs=logprobs))
 
     def decode(self, model: Any, last_tokens: np.ndarray, live: np.ndarray,
                sampling: RowSampling | None, plan: AttentionPlan,
@@ -286,5 +295,5 @@ class CacheOps:
         """:func:`paxkv.steps.decode_step` over every row -> ``(next_tokens, ok)``
         ``[max_seqs]`` as numpy (``logprobs``: as :meth:`prefill`)."""
         return self.run_step(lambda: steps.decode_step(
-            model.forward, model.params, self.cache, jnp.asarray(last_tokens),
-            jnp.asarray(live), sampling, plan=plan, logprobs=logprobs))
+            model.forward, model.params, self.cache, host(last_tokens, np.int32),
+            host(live, bool), sampling, plan=plan, logprobs=logprobs))

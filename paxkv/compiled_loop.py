@@ -5,7 +5,6 @@ token; ``generate(..., loop="jit")`` runs it."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from paxkv import steps
@@ -43,8 +42,8 @@ def run_fixed_batch(engine: Engine) -> dict[int, GenerationResult]:
     ends = [min(ops.cache.max_len, len(r.tokens) + r.max_new_tokens) for r in reqs]
     plan = sched.plan(reqs, ops.cache.max_len, decode_lengths=ends)
     ops.cache, out, count, dry = steps.decode_loop(
-        engine.model.forward, engine.model.params, ops.cache, jnp.asarray(first),
-        jnp.asarray(limit), jnp.asarray(stop_ids, jnp.int32), jnp.asarray(stops),
+        engine.model.forward, engine.model.params, ops.cache, first, limit,
+        np.asarray(stop_ids, np.int32), stops,
         engine.lifecycle.rows.sampling_for(None), max_new_tokens=width, plan=plan)
     out, count, dry = np.asarray(out), np.asarray(count), np.asarray(dry)
     for r in reqs:

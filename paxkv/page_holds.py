@@ -20,7 +20,6 @@ import functools
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from paxkv import buckets
@@ -71,11 +70,11 @@ def attach(cache: Any, row: int, pages: Sequence[int], num_tokens: int) -> tuple
     if sharded:
         lengths = np.zeros(cache.max_seqs, np.int32)
         lengths[row] = num_tokens
-        cache, ok = attach_shard_rows(cache, jnp.asarray(cells), jnp.asarray(lengths))
+        cache, ok = attach_shard_rows(cache, cells, lengths)
         ok = ok[row]
     else:
-        cache, ok = attach_rows(cache, jnp.asarray([row], jnp.int32), jnp.asarray(cells),
-                                jnp.asarray([num_tokens]))
+        cache, ok = attach_rows(cache, np.array([row], np.int32), cells,
+                                np.array([num_tokens], np.int32))
         ok = ok[0]
     return cache, bool(ok)
 
@@ -91,9 +90,9 @@ def retain(cache: Any, pages_by_shard: Sequence[Sequence[int]], delta: int) -> A
         for s, chunk in enumerate(chunks):
             padded[s, :len(chunk)] = chunk
         if isinstance(cache, ShardedPagedCache):
-            cache = retain_shard_pages(cache, jnp.asarray(padded), delta=delta)
+            cache = retain_shard_pages(cache, padded, delta=delta)
         else:
-            cache = retain_pages(cache, jnp.asarray(padded[0]), delta=delta)
+            cache = retain_pages(cache, padded[0], delta=delta)
     return cache
 
 

@@ -8,7 +8,6 @@ placed in it and reset (greedy) when it is released.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from paxkv.requests import Request, RequestTable
@@ -44,4 +43,5 @@ class RowState:
         if not (self.sampling["temperature"] > 0).any():
             return None
         pick = (lambda a: a) if rows is None else (lambda a: a[rows])
-        return RowSampling(**{k: jnp.asarray(pick(v)) for k, v in self.sampling.items()})
+        # copies (np.array): the rows change these arrays while a step may still read them
+        return RowSampling(**{k: np.array(pick(v)) for k, v in self.sampling.items()})

@@ -151,15 +151,23 @@ class EngineMachine(RuleBasedStateMachine):
         got = {rid: r for rid, r in self._flatten().items() if self.specs[rid].n == 1}
         if not got:
             return
-        ref = paxkv.Engine(_lm(), max_seqs=32, max_len=MAX_LEN, page_size=PAGE_SIZE,
+        # The reference engine has the machine's shapes (its compiled steps serve both) but
+        # no prefix cache, and runs two requests at a time: two whole rows (2 x 12 pages) fit
+        # the 26-page pool, so nothing is shared, queued behind a full pool or preempted.
+        ref = paxkv.Engine(_lm(), max_seqs=MAX_SEQS, max_len=MAX_LEN, page_size=PAGE_SIZE,
+                           num_pages=NUM_PAGES, prefill_chunk=16, prefill_tokens=32,
                            prefix_cache=False)
-        ids = {}
-        for rid in got:
-            s = self.specs[rid]
-            ids[rid] = ref.submit(list(s.prompt), max_new_tokens=s.max_new_tokens,
-                                  stop_token_ids=s.stops, temperature=s.temperature,
-                                  key=jnp.asarray(s.key, jnp.uint32))
-        want = ref.run()
+        assert 2 * (MAX_LEN // PAGE_SIZE) <= NUM_PAGES
+        ids, want = {}, {}
+        rids = list(got)
+        for start in range(0, len(rids), 2):
+            for rid in rids[start:start + 2]:
+                s = self.specs[rid]
+                ids[rid] = ref.submit(list(s.prompt), max_new_tokens=s.max_new_tokens,
+                                      stop_token_ids=s.stops, temperature=s.temperature,
+                                      key=np.asarray(s.key, np.uint32))
+            want.update(ref.run())
+        assert ref.stats().preemptions == 0
         for rid, res in got.items():
             expected = want[ids[rid]].token_ids
             if res.finish_reason in ("cancelled", "forked"):

@@ -49,7 +49,11 @@ def run_worker(name: str, *args: object, devices: int = 8, timeout: int = 300,
     devices."""
     code = (f"import sys, json; sys.path.insert(0, 'tests'); import {module} as t; "
             f"print('RESULT ' + json.dumps(t.worker_{name}(*{args!r})))")
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    # XLA's backend optimisations off: these runs are compiles of small steps on many devices
+    # (the engine state machine compiles its ~50 variants in two thirds of the time so)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=flags)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

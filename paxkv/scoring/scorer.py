@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from paxkv import policy, shard_routing
 from paxkv.attention import plan as attention_plan
-from paxkv.cache_ops import CacheOps, build_cache, place_model
+from paxkv.cache_ops import CacheOps, build_cache, host, place_model
 from paxkv.prefix_cache import Hit
 from paxkv.protocol import check_model
 from paxkv.scoring import steps
@@ -184,8 +184,8 @@ class Scorer:
         copy-on-write copies."""
         copies = self.ops.cow_copies
         lp, greedy, ok = self.ops.run_step(lambda: fn(
-            forward, self.lm.params, self.ops.cache, jnp.asarray(tokens), jnp.asarray(rows),
-            jnp.asarray(qlen), jnp.asarray(extra), plan=plan))
+            forward, self.lm.params, self.ops.cache, host(tokens, np.int32), host(rows, np.int32),
+            host(qlen, np.int32), host(extra, np.int32), plan=plan))
         s = self.stats
         s.peak_pages = max(s.peak_pages, self.ops.cache.total_pages - self.ops.free)
         s.steps += 1
