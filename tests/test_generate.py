@@ -79,7 +79,9 @@ def test_stop_tokens_end_sequences(lm, prompts):
     assert [r.token_ids for r in jitted] == [r.token_ids for r in results]
 
 
-@pytest.mark.parametrize("page_size", [1, 8, 64])
+# 1: a page per token; 64: every prompt in one partial page; the reference (16) holds
+# several full pages (8 ran too until 12-03: the reference's case again)
+@pytest.mark.parametrize("page_size", [1, 64])
 def test_same_tokens_at_every_page_size(lm, prompts, page_size):
     reference, _ = run_engine(lm, prompts[:4], max_new_tokens=12, page_size=16, max_seqs=4)
     got, _ = run_engine(lm, prompts[:4], max_new_tokens=12, page_size=page_size, max_seqs=4)

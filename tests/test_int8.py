@@ -239,15 +239,17 @@ def test_an_engine_with_a_narrow_cache_counts_its_bytes_and_frees_every_page(
 
 @pytest.mark.slow
 def test_int8_on_the_default_model_is_near_lossless_over_real_text(lm):
-    """SmolLM2-135M teacher-forced over 2,048 tokens of CPython's Language Reference prose
+    """SmolLM2-135M teacher-forced over 1,024 tokens of CPython's Language Reference prose
     (``pydoc_data.topics``), 512 a step, every score and value read from the pool: int8 vs
-    float32 K/V. Measured here: top-1 98.7%, mean KL 8.9e-4 (almost all of it from K: its
-    outlier channels coarsen the rest of a per-token scale), perplexity +0.02%."""
+    float32 K/V. Measured here: top-1 99.1%, mean KL 8.2e-4, perplexity -0.02% (over 2,048
+    tokens, the test's length until 12-03: 98.7%, 8.9e-4, +0.02%; almost all of the KL comes
+    from K, whose outlier channels coarsen the rest of a per-token scale)."""
     from experiments.kv_dtype import real_text, teacher_forced
 
-    got = teacher_forced(lm, real_text(lm, 2048), ["float32", "int8"], 512)
-    assert got["predictions"] >= 2000
+    got = teacher_forced(lm, real_text(lm, 1024), ["float32", "int8"], 512)
+    assert got["predictions"] >= 1000
     int8 = got["per_dtype"]["int8"]
+    print("int8 over real text:", int8)
     assert int8["top1_agreement"] >= 0.98, int8
     assert int8["mean_kl"] <= 1e-3, int8
     assert abs(int8["perplexity_pct"]) <= 0.5, int8

@@ -74,7 +74,9 @@ def workload(lm, page_size: int, seed: int) -> list[list[int]]:
             prefix[: len(prefix) - int(rng.integers(1, 6))]]
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 32])
+# 1: every token its own page; 16: partial-page hits and copy-on-write (32 ran too until
+# 12-03: the same geometry at twice the prompt length)
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_prefix_cache_changes_nothing_but_cost(lm, page_size):
     """Greedy tokens and every step's top-5 log-probs, sharing on vs off, two random
     workloads through the same pair of engines."""
