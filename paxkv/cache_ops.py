@@ -35,9 +35,10 @@ from paxkv.sampling import RowSampling
 def host(x: Any, dtype: Any) -> np.ndarray:
     """A fresh numpy copy of ``x`` to hand a jitted step. ``jnp.asarray`` of a host array
     compiles a tiny copy program per shape and dtype (jax 0.10.2: ``jit(stage)``,
-    ``jit(convert_element_type)``; 40 of the engine state machine's 131 compiles); a jitted
-    function takes numpy as it is. A copy, because the caller may change its array while
-    the step still reads it."""
+    ``jit(convert_element_type)``; 16 of the engine state machine's 87 compiles), and a
+    jitted function takes numpy as it is (dispatch: 27 us against 132 us through
+    ``jnp.asarray``, three small inputs here). A copy, because the caller may change its
+    array while the step still reads it."""
     return np.array(x, dtype)
 
 
