@@ -5,8 +5,9 @@ After every operation the page table equals a plain-Python recount of its holder
 cells of live rows plus the prefix index), the engine's host counts equal the device's, and
 each row holds exactly its request's cached tokens. At the end of each run every page is free
 once the prefix cache is cleared, and every request's tokens equal a reference run of the same
-request (its prompt, settings and key) in an engine with room for all and no sharing: a
-cancelled or forked request's tokens are a prefix of it. The last test is a soak: 10,000
+request (its prompt, settings and key) in an engine of the same shapes without the prefix
+cache, two requests at a time (never preempted): a cancelled or forked request's tokens are a
+prefix of it. The last test is a soak: 10,000
 requests through one engine, with host memory and compiled step variants bounded.
 """
 
@@ -21,7 +22,6 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
