@@ -19,7 +19,8 @@ $(VENV)/.testing: $(VENV)/.runtime
 	touch $@
 
 # The demo keeps JAX's persistent compilation cache in .jax_cache/: a second run loads its
-# compiled steps instead of compiling them (README, "Compile once"). The tests do not need it.
+# compiled steps instead of compiling them (README, "Compile once"). The tests keep theirs
+# under pytest's cache dir (tests/conftest.py): a second `make test-fast` loads most steps.
 # (A worker's segfault inside XLA's compile, once blamed on the cache's write, was the process
 # running out of memory mappings: tests/conftest.py bounds them; experiments/LOG.md, 12-02.)
 demo: $(VENV)/.runtime

@@ -216,17 +216,6 @@ def test_bad_input_gets_a_clear_error(lm, kwargs, match):
         paxkv.generate(lm, args.pop("prompts"), **args)
 
 
-def test_eager_equals_jitted(lm, prompts):
-    """The same engine run with every jit disabled gives the same tokens: a prefill and a
-    decode step, on the two shortest prompts (eager, every distinct op compiles on its own:
-    ~460 small compiles, most of this test's time)."""
-    short = [prompts[6], prompts[5]]
-    jitted, _ = run_engine(lm, short, max_new_tokens=2, max_seqs=2, page_size=16)
-    with jax.disable_jit():
-        eager, _ = run_engine(lm, short, max_new_tokens=2, max_seqs=2, page_size=16)
-    assert [r.token_ids for r in eager] == [r.token_ids for r in jitted]
-
-
 def test_engine_and_generate_share_defaults_and_stream(lm, prompts):
     """``Engine.submit(ids, max_new_tokens=n)`` and ``generate(lm, [ids], max_new_tokens=n)``
     give the same tokens (the model's EOS stops both); ``step()`` streams every token once and

@@ -242,6 +242,28 @@ def test_engine_greedy_equals_cacheless_greedy(kind):
     assert int(engine.cache.free_pages()) == engine.cache.num_pages
 
 
+@pytest.mark.slow  # eager, every distinct op compiles on its own (~30 s)
+def test_engine_gives_the_same_tokens_with_jit_disabled():
+    """A researcher debugging a model runs it under ``jax.disable_jit()``: the engine's
+    steps (reserve, prefix hits, prefill, decode, sampling) then run op by op and must give the
+    jitted run's tokens. Two prompts sharing a full page, so the eager run attaches cached
+    pages too."""
+    prompts = [PROMPTS[0], PROMPTS[0][:8] + [90, 91]]
+
+    def run() -> list[list[int]]:
+        engine = paxkv.Engine(MODEL, max_seqs=2, max_len=WIDTH, page_size=4)
+        rids = [engine.submit(p, max_new_tokens=3, stop_token_ids=[]) for p in prompts]
+        results = engine.run()
+        engine.clear_prefix_cache()
+        assert int(engine.cache.free_pages()) == engine.cache.num_pages
+        return [results[r].token_ids for r in rids]
+
+    jitted = run()
+    with jax.disable_jit():
+        eager = run()
+    assert eager == jitted == [reference_greedy(MODEL, p, 3) for p in prompts]
+
+
 def test_generate_equals_cacheless_greedy():
     out = paxkv.generate(MODEL, PROMPTS[:2], max_new_tokens=4, stop_token_ids=[], page_size=4)
     assert [r.token_ids for r in out] == [reference_greedy(MODEL, p, 4) for p in PROMPTS[:2]]
