@@ -158,10 +158,18 @@ def test_tokenizer_matches_hf(lm, hf) -> None:
 def test_numerals_split_like_llama_cpp(lm, hf) -> None:
     """Every \\p{N} character is its own pre-token (SmolLM2's ``Digits`` / llama.cpp's
     ``smollm`` split). transformers' GGUF tokenizer drops that step, so it differs on text like
-    " Ⅻ" or "x ½"; ASCII digits agree only because the vocabulary has no multi-digit tokens."""
+    " Ⅻ" or "x ½", and on a run of whitespace before an ASCII digit: the split leaves the run
+    whole ("\\n   " is one token), where GPT-2's regex gives its last space to the digit. The
+    vocabulary has no multi-digit tokens, so other ASCII digits agree. Those runs were 27 of
+    192 requests of ``experiments.evaluate``'s multiple-choice task: lm-eval's ``hf`` backend
+    scores other token ids there (experiments/LOG.md, 12-03)."""
     assert lm.encode(" Ⅻ") == lm.encode(" ") + lm.encode("Ⅻ")
     assert lm.encode("Ⅻ½2") == lm.encode("Ⅻ") + lm.encode("½") + lm.encode("2")
-    assert hf.tokenizer.encode(" Ⅻ") != lm.encode(" Ⅻ"), "HF now splits numerals: merge tests"
+    assert lm.encode("x\n   1") == lm.encode("x\n   ") + lm.encode("1")
+    enc = hf.tokenizer.encode
+    assert enc("x\n   1") == enc("x\n  ") + enc(" 1")
+    for text in (" Ⅻ", "x\n   1"):
+        assert hf.tokenizer.encode(text) != lm.encode(text), f"HF now splits {text!r}: merge tests"
 
 
 @pytest.mark.oracle
