@@ -246,17 +246,20 @@ def test_engine_greedy_equals_cacheless_greedy(kind):
 def test_engine_gives_the_same_tokens_with_jit_disabled():
     """A researcher debugging a model runs it under ``jax.disable_jit()``: the engine's
     steps (reserve, prefix hits, prefill, decode, sampling) then run op by op and must give the
-    jitted run's tokens. Two prompts sharing a full page, so the eager run attaches cached
-    pages too."""
+    jitted run's tokens. The second prompt starts with the first's two full pages and comes
+    after it, so the eager run attaches cached pages too."""
     prompts = [PROMPTS[0], PROMPTS[0][:8] + [90, 91]]
 
     def run() -> list[list[int]]:
         engine = paxkv.Engine(MODEL, max_seqs=2, max_len=WIDTH, page_size=4)
-        rids = [engine.submit(p, max_new_tokens=3, stop_token_ids=[]) for p in prompts]
-        results = engine.run()
+        results = []
+        for p in prompts:
+            rid = engine.submit(p, max_new_tokens=3, stop_token_ids=[])
+            results.append(engine.run()[rid])
+        assert results[1].num_cached_tokens == 8
         engine.clear_prefix_cache()
         assert int(engine.cache.free_pages()) == engine.cache.num_pages
-        return [results[r].token_ids for r in rids]
+        return [r.token_ids for r in results]
 
     jitted = run()
     with jax.disable_jit():
