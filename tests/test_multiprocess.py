@@ -64,24 +64,32 @@ def test_two_processes_give_one_process_tokens(tmp_path):
         assert run["free_pages"] == [run["pages_per_shard"]] * 8
 
 
+# Each worker says who it is, then marks itself started; the one told to fail waits until all
+# have (a loaded machine may start the last worker after the failure would have stopped it).
 SCRIPT = """
-import os, sys, time
-pid = int(os.environ["PAXKV_PROCESS_ID"])
-env = os.environ
-print("process", pid, "of", env["PAXKV_NUM_PROCESSES"], "at", env["PAXKV_COORDINATOR"],
+import os, pathlib, sys, time
+pid, count = int(os.environ["PAXKV_PROCESS_ID"]), int(os.environ["PAXKV_NUM_PROCESSES"])
+env, marks = os.environ, pathlib.Path(sys.argv[2])
+print("process", pid, "of", count, "at", env["PAXKV_COORDINATOR"],
       "devices", env.get("JAX_NUM_CPU_DEVICES"), flush=True)
+(marks / str(pid)).touch()
 if pid == int(sys.argv[1]):
+    deadline = time.monotonic() + 20
+    while len(list(marks.iterdir())) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.exit(3)
 time.sleep(120)
 """
 
 
 def test_launcher_stops_the_others_when_one_fails_or_time_runs_out(tmp_path, capsys):
-    script = tmp_path / "worker.py"
+    script, marks = tmp_path / "worker.py", tmp_path / "started"
     script.write_text(SCRIPT)
+    marks.mkdir()
     out = io.StringIO()
     start = time.perf_counter()
-    code = launch.launch([str(script), "1"], processes=3, devices=2, timeout=60, out=out)
+    code = launch.launch([str(script), "1", str(marks)], processes=3, devices=2, timeout=60,
+                         out=out)
     assert code == 3 and time.perf_counter() - start < 30
     assert "paxkv.launch: process 1 failed (exit 3)" in capsys.readouterr().err
     lines = sorted(x for x in out.getvalue().splitlines() if "process" in x)
@@ -89,6 +97,7 @@ def test_launcher_stops_the_others_when_one_fails_or_time_runs_out(tmp_path, cap
     assert all(x.endswith("devices 2") for x in lines)
 
     start = time.perf_counter()
-    code = launch.launch([str(script), "-1"], processes=2, timeout=2, out=io.StringIO())
+    code = launch.launch([str(script), "-1", str(marks)], processes=2, timeout=2,
+                         out=io.StringIO())
     assert code == 124 and time.perf_counter() - start < 2 + launch.GRACE_S + 5
     assert "deadline of 2 s passed; still running: [0, 1]" in capsys.readouterr().err
