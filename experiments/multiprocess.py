@@ -17,6 +17,13 @@ shards, hence whole rows), and each process
 3. gathers the tokens (:func:`paxkv.distributed.gather`), reports which pool shards it held
    (``addressable_shards``), releases every row and checks each shard's pool is free.
 
+Then the same processes run :class:`paxkv.Engine` on the same mesh (:func:`engine_run`): every
+process builds the same engine and makes the same calls in the same order (requests arriving
+between steps, one cancelled, prefix-cache hits, a pool tight enough to preempt). The engine's
+decisions are plain Python over the same inputs and the values it reads back from the devices
+are gathered (:func:`paxkv.distributed.gather`), so every process decides alike, and each
+device holds only its own shard's pages and rows.
+
 Process 0 prints the tokens and writes ``results/multiprocess.json`` (``--out`` elsewhere).
 Times are of one run on shared CPUs: first calls compile, so they are no speed result.
 """
@@ -103,6 +110,46 @@ def decode(lm: Any, cache: Any, first: jax.Array, live: jax.Array, steps_: int, 
     return cache, jnp.stack(out, axis=1), ok
 
 
+def engine_run(lm: Any, mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """``args.requests`` requests through one :class:`paxkv.Engine` on ``mesh`` (the same calls
+    on every process): half share a system prompt (prefix hits), half arrive after two
+    steps, one is cancelled mid-run; each shard's pool holds the longest request alone and
+    admission does not project growth, so shards preempt. Its tokens, counters and free pages (the same on every
+    process)."""
+    import paxkv  # noqa: PLC0415
+    from paxkv.policy import Growth  # noqa: PLC0415
+
+    data = mesh.shape["data"]
+    rows = args.rows_per_shard * data
+    rng = np.random.default_rng(1)
+    system = rng.integers(8, 256, 2 * args.page_size + 1).tolist()
+    work = [((system if i % 2 else []) + rng.integers(8, 256, int(rng.integers(2, 9))).tolist(),
+             int(rng.integers(2, args.steps + 1))) for i in range(args.requests)]
+    max_len = max(len(p) + n for p, n in work)
+    per_row = -(-max_len // args.page_size)
+    engine = paxkv.Engine(lm, mesh=mesh, max_seqs=rows, max_len=max_len,
+                          page_size=args.page_size, num_pages=data * per_row, prefill_chunk=16,
+                          prefill_tokens=64, growth=Growth(start=0, floor=0))
+    half = len(work) // 2
+    ids = [engine.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in work[:half]]
+    results: dict[int, Any] = {}
+    for _ in range(2):
+        results.update(engine.step().finished)
+    ids += [engine.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in work[half:]]
+    results.update(engine.step().finished)
+    cancelled = next(i for i in reversed(ids) if i not in results)
+    engine.cancel(cancelled)
+    while engine.has_work():
+        results.update(engine.step().finished)
+    engine.clear_prefix_cache()
+    stats = engine.stats()
+    return dict(tokens=[results[i].token_ids if i in results else None for i in ids],
+                prompts=[p for p, _ in work], cancelled=ids.index(cancelled),
+                preemptions=stats.preemptions, prefix_hit_tokens=stats.prefix_hit_tokens,
+                free_pages=stats.free_pages, num_pages=stats.num_pages,
+                held_pool=distributed.all_processes(held(engine.cache)["pool"]).tolist())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The loop of the module docstring on this process; everything it reports (gathered)."""
     from paxkv import sharded_cache, steps, tensor_parallel  # noqa: PLC0415
@@ -135,7 +182,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     release = jax.jit(lambda c, m: c.release(m), donate_argnums=0)
     cache, _ = release(cache, distributed.feed(mesh, np.ones(len(rows), bool), s))
     free = distributed.gather(cache.shard_free_pages())
+    engine = engine_run(load(args.model), mesh, args) if args.requests else None
     return dict(
+        engine=engine,
         processes=jax.process_count(), devices=jax.device_count(), mesh=[data, 1],
         max_seqs=s, tokens=out.tolist(), ok=ok.tolist(), prompts=all_prompts,
         rows=distributed.all_processes(rows).tolist(),
@@ -155,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=24, help="longest prompt")
     parser.add_argument("--page-size", type=int, default=4)
     parser.add_argument("--loop", choices=("step", "jit"), default="step")
+    parser.add_argument("--requests", type=int, default=24,
+                        help="requests through the Engine after the loop (0: none)")
     parser.add_argument("--out", help="JSON path (default results/multiprocess[_quick].json)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -171,6 +222,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{results['processes']} process(es), {results['devices']} devices; pool shards "
           f"held per process: {results['held_pool']}; free pages per shard at the end: "
           f"{results['free_pages']}")
+    engine = results["engine"]
+    if engine:
+        for i, toks in enumerate(engine["tokens"]):
+            print(f"engine request {i:2d}: {toks}")
+        print(f"engine: {engine['preemptions']} preemption(s), {engine['prefix_hit_tokens']} "
+              f"prefix-hit tokens, request {engine['cancelled']} cancelled, "
+              f"{engine['free_pages']} of {engine['num_pages']} pages free at the end")
     data = record(vars(args), results)
     if args.out:
         with open(args.out, "w") as f:

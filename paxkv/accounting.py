@@ -7,6 +7,8 @@ from typing import Any
 
 import jax
 
+from paxkv.distributed import gather
+
 
 # One jitted read of a page-sharing cache's accounting (any KVCache with ``stats`` and
 # ``sharing_stats``: the paged cache, the sharded one).
@@ -91,7 +93,7 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
     cache = ops.cache
     rows = {r.id: r for r in table.rows if r is not None}
     if cache.shares_pages:
-        ts, sh = jax.device_get(_page_numbers(cache))
+        ts, sh = gather(_page_numbers(cache))
         used, shared = int(ts.used_pages), int(ts.shared_pages)
         refs, distinct = int(sh.row_references), int(sh.row_pages)
         seqs = {i: SequenceStats(r.cached, int(sh.pages_held[r.row]), int(sh.shared_held[r.row]))

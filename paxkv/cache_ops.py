@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from paxkv import buckets, dense_cache, mesh as pmesh, page_holds, paged_cache
+from paxkv.distributed import gather
 from paxkv import sharded_cache, steps
 from paxkv import page_table as pt
 from paxkv import tensor_parallel
@@ -208,7 +209,7 @@ class CacheOps:
         if free is not None and self.num_shards == 1:
             self.shard_free[0] = free
         else:
-            self.shard_free = np.asarray(free_per_shard(self.cache), np.int64)
+            self.shard_free = np.asarray(gather(free_per_shard(self.cache)), np.int64)
         self.peak_used = max(self.peak_used, self.cache.total_pages - self.free)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -254,7 +255,7 @@ class CacheOps:
         self.cache, ok = fork_rows(
             self.cache, pad([parent] * len(children), self.max_seqs, -1),
             pad(list(children), self.max_seqs, -1))
-        if not np.asarray(ok)[:len(children)].all():
+        if not gather(ok)[:len(children)].all():
             raise RuntimeError(f"forking row {parent} into rows {list(children)} failed")
         self.shares = self.cache.shares_pages
 
@@ -277,9 +278,9 @@ class CacheOps:
         self.cache, *out, free = run()
         self._note_free(int(free) if self.num_shards == 1 else None)
         if probe is not None:
-            self.cow_copies += int(shard_copies(self.cache.tables, *probe) if sharded
-                                   else count_copies(self.cache.table, *probe))
-        return tuple(jax.tree.map(np.asarray, x) for x in out)
+            self.cow_copies += int(gather(shard_copies(self.cache.tables, *probe) if sharded
+                                          else count_copies(self.cache.table, *probe)))
+        return tuple(gather(tuple(out)))
 
     def prefill(self, model: Any, tokens: np.ndarray, rows: np.ndarray, query_lengths: np.ndarray,
                 sampling: RowSampling | None, plan: AttentionPlan,

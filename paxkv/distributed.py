@@ -26,6 +26,12 @@ Outputs of a step stay global arrays: feed them back to the next step as they ar
 tokens of :func:`paxkv.steps.decode_step` never leave the devices). Every process must make
 the same calls in the same order, so a decision that ends a loop must come from gathered
 values, never from one process's rows alone.
+
+:class:`paxkv.Engine` on a :func:`process_mesh` follows the same rule one level up: every
+process builds the same engine and makes the same calls (submit, step, fork, cancel) in the
+same order. Its decisions are plain Python over those calls and over what it reads back from
+the devices, which it reads with :func:`gather` (one process: ``jax.device_get``), so every
+process decides alike; its step inputs are the same host arrays everywhere.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ class Engine:
         the shard holding its cached prefix if it has room, else in the least-loaded one
         (the prefix cache keeps one index per shard: page ids are shard-local); kv heads and
         the weights split over ``model`` (:func:`paxkv.cache_ops.place_model`). None: one
-        device.
+        device. Across processes (:func:`paxkv.distributed.process_mesh`): every process
+        builds the same engine and makes the same calls in the same order.
     """
 
     def __init__(self, model: Any, *, cache: str | KVCache = "paged", max_seqs: int = 32,

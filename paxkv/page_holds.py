@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from paxkv import buckets
+from paxkv.distributed import gather
 from paxkv import page_table as pt
 from paxkv.sharded_cache import ShardedPagedCache
 
@@ -100,13 +101,13 @@ def block_tables(cache: Any) -> np.ndarray:
     """int32 ``[max_seqs, max_pages_per_seq]``: every row's pages (its shard's ids), global
     row order."""
     if isinstance(cache, ShardedPagedCache):
-        bt = np.asarray(cache.tables.block_tables)
+        bt = gather(cache.tables.block_tables)
         return bt.reshape(-1, bt.shape[-1])
-    return np.asarray(cache.table.block_tables)
+    return gather(cache.table.block_tables)
 
 
 def ref_counts(cache: Any) -> np.ndarray:
     """int32 ``[num_shards, num_pages]``: each shard's references per page."""
     if isinstance(cache, ShardedPagedCache):
-        return np.asarray(cache.tables.ref_counts)
-    return np.asarray(cache.table.ref_counts)[None]
+        return gather(cache.tables.ref_counts)
+    return gather(cache.table.ref_counts)[None]

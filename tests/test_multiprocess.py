@@ -1,11 +1,13 @@
 """The sharded cache across processes (:mod:`paxkv.distributed`, :mod:`paxkv.launch`).
 
-``experiments/multiprocess.py``'s decode loop on the tiny random Llama runs twice in
-subprocesses, one after the other: as 2 processes x 4 forced CPU devices through the launcher
-(a free local port, gloo collectives) and as one process with 8 devices. Checked: equal greedy
-tokens (varied, every row's reserve ok); each process fed only its own rows and held only
-its own data shards of the pool and page table (``addressable_shards``); every shard's pool
-is free after the release. Each run has a deadline, so a stuck worker (gloo waits for a dead
+``experiments/multiprocess.py``'s decode loop and its Engine run on the tiny random Llama
+run twice in subprocesses, one after the other: as 2 processes x 4 forced CPU devices
+through the launcher (a free local port, gloo collectives) and as one process with 8
+devices. Checked: equal greedy tokens (varied, every row's reserve ok); each process fed only
+its own rows and held only its own data shards of the pool and page table
+(``addressable_shards``); every shard's pool is free after the release. The Engine (arrivals
+between steps, a cancel, prefix hits, preemption) gives the same tokens, counters and free
+pages either way. Each run has a deadline, so a stuck worker (gloo waits for a dead
 peer) fails the test instead of hanging it. The launcher itself: a process that fails stops
 the others and names itself; the deadline stops them all.
 """
@@ -62,6 +64,14 @@ def test_two_processes_give_one_process_tokens(tmp_path):
     assert one["held_pool"] == [list(range(8))]
     for run in (one, two):
         assert run["free_pages"] == [run["pages_per_shard"]] * 8
+    # the Engine on the same mesh, every process making the same calls
+    e1, e2 = one["engine"], two["engine"]
+    assert e2["tokens"] == e1["tokens"] and e2["cancelled"] == e1["cancelled"]
+    assert all(t for i, t in enumerate(e1["tokens"]) if i != e1["cancelled"])
+    assert e2["preemptions"] == e1["preemptions"] >= 1, "a shard should run out of pages"
+    assert e2["prefix_hit_tokens"] == e1["prefix_hit_tokens"] > 0
+    assert e2["free_pages"] == e2["num_pages"] and e1["free_pages"] == e1["num_pages"]
+    assert e2["held_pool"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 # Each worker says who it is, then marks itself started; the one told to fail waits until all
