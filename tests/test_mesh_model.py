@@ -26,7 +26,7 @@ from test_mesh import REF_PAGES, TIGHT, _engine_run, _start, _workload, run_work
 pytestmark = pytest.mark.devices
 
 TINY_MESHES = [[4, 2], [2, 4]]
-REAL_MESHES = [[2, 3]]  # both axes at once ((1, 3) ran too until 12-03: the same split)
+REAL_MESHES = [[6, 1], [2, 3], [1, 3]]  # data only, both axes, model only
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,6 +95,8 @@ def _on_meshes(lm, meshes: list[list[int]]) -> dict:
     for data, model in meshes:
         mesh = pmesh.make_mesh(data, model)
         tp_lm = tensor_parallel.shard_model(lm, mesh)
+        # rows split over data: 12 rows (the workload's count) where 16 does not divide
+        dims = _dims(lm, 16 if 16 % data == 0 else 12)
         cache = sharded_cache.create(mesh=mesh, num_pages={1: 8, **TIGHT}[data],
                                      fill=float("nan"), **dims)
         placement = _placement(cache)  # before the engine donates the cache
@@ -209,7 +211,9 @@ def test_tiny_model_axis_meshes_match_one_device():
 
 @pytest.mark.slow
 @pytest.mark.model  # the default model, 3 kv heads, on 6 forced devices
-def test_default_model_on_model_axis_matches_one_device():
+def test_default_model_on_meshes_matches_one_device():
+    """(6, 1), (2, 3) and (1, 3): one device's greedy tokens, engine (preempting, per-step
+    shard checks) and jit loop."""
     found = run_worker("real", REAL_MESHES, devices=6, timeout=900, module="test_mesh_model")
     _check(found, REAL_MESHES)
 
