@@ -114,8 +114,8 @@ def engine_run(lm: Any, mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     """``args.requests`` requests through one :class:`paxkv.Engine` on ``mesh`` (the same calls
     on every process): half share a system prompt (prefix hits), half arrive after two
     steps, one is cancelled mid-run; each shard's pool holds the longest request alone and
-    admission does not project growth, so shards preempt. Its tokens, counters and free pages (the same on every
-    process)."""
+    admission does not project growth, so shards preempt. Its tokens, counters and free
+    pages (the same on every process)."""
     import paxkv  # noqa: PLC0415
     from paxkv.policy import Growth  # noqa: PLC0415
 
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mesh = distributed.process_mesh()
     data = mesh.shape["data"]
     s = args.rows_per_shard * data
-    lm = load(args.model)
+    lm = base = load(args.model)
     all_prompts = prompts(lm, args.model, s, 2, args.prompt_len)
     rows = distributed.local_rows(mesh, s)
     own = [all_prompts[r] for r in rows]  # NOTE: the only prompts this process reads
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     release = jax.jit(lambda c, m: c.release(m), donate_argnums=0)
     cache, _ = release(cache, distributed.feed(mesh, np.ones(len(rows), bool), s))
     free = distributed.gather(cache.shard_free_pages())
-    engine = engine_run(load(args.model), mesh, args) if args.requests else None
+    engine = engine_run(base, mesh, args) if args.requests else None  # it places the weights
     return dict(
         engine=engine,
         processes=jax.process_count(), devices=jax.device_count(), mesh=[data, 1],

@@ -96,13 +96,13 @@ def _on_meshes(lm, meshes: list[list[int]]) -> dict:
         mesh = pmesh.make_mesh(data, model)
         tp_lm = tensor_parallel.shard_model(lm, mesh)
         # rows split over data: 12 rows (the workload's count) where 16 does not divide
-        dims = _dims(lm, 16 if 16 % data == 0 else 12)
+        mesh_dims = _dims(lm, 16 if 16 % data == 0 else 12)
         cache = sharded_cache.create(mesh=mesh, num_pages={1: 8, **TIGHT}[data],
-                                     fill=float("nan"), **dims)
+                                     fill=float("nan"), **mesh_dims)
         placement = _placement(cache)  # before the engine donates the cache
         run = dict(_engine_run(tp_lm, cache, True), placement=placement,
                    donated=all(x.is_deleted() for x in jax.tree.leaves(cache)))
-        roomy = sharded_cache.create(mesh=mesh, num_pages=REF_PAGES, **dims)
+        roomy = sharded_cache.create(mesh=mesh, num_pages=REF_PAGES, **mesh_dims)
         run["fixed"] = _fixed_batch(tp_lm, roomy, work)
         out[f"{data}x{model}"] = run
     return out
