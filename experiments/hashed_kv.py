@@ -121,7 +121,9 @@ def filled_cache(lm, kind: str, batch: int, context: int, filled: int, salt: int
         pool = stored(*(_hashed(shape, 2 * salt + i, num_new[0], page_row, page_block)
                         for i in (0, 1)))
         cache = paged_cache.PagedCache(pool=kv_pool.KVPool(**pool), table=table, scrub=True,
-                                       impl=paged_cache.resolve_impl(attention_impl, kv_dtype))
+                                       impl=paged_cache.resolve_impl(
+                                           attention_impl, kv_dtype, page_size=PAGE_SIZE,
+                                           head_dim=c.head_dim))
     else:
         shape = (c.num_layers, batch, c.num_kv_heads, context, c.head_dim)
         kv = stored(*(_hashed(shape, 2 * salt + i, num_new[0]) for i in (0, 1)))

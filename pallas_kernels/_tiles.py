@@ -182,22 +182,34 @@ def validate_kv(kv, block_tables, pages_per_block: int) -> KVTiles:
     num_layers, num_pages, _, page_size, head_dim = k_pool.shape
     tiles = KVTiles(num_layers, num_pages, block_tables.shape[1], page_size, pages_per_block,
                     head_dim, jnp.dtype(k_pool.dtype), len(kv) == 3)
-    if page_size % 8:
-        raise ValueError(f"page_size={page_size} must be a multiple of 8 (SMEM row tiling)")
-    if tiles.scaled and page_size % 16:
-        raise ValueError(f"page_size={page_size} with 8-bit K/V: a page's scales ({8 * page_size}"
-                         " bytes) are under one 128-byte copy; use a multiple of 16 (32 wastes"
-                         " no SMEM rows), or attention_impl='xla'")
+    refusal = geometry_refusal(page_size, head_dim, tiles.itemsize, scaled=tiles.scaled)
+    if refusal:
+        raise ValueError(refusal)
     if tiles.block_rows % ROW_ALIGN:
         raise ValueError(
             f"pages_per_block x {tiles.slot_rows} SMEM rows per page = {tiles.block_rows} must"
             f" be a multiple of {ROW_ALIGN}; try pages_per_block="
             f"{default_pages_per_block(page_size, scaled=tiles.scaled)}")
-    row_bytes = head_dim * tiles.itemsize  # 8-bit rows of 64 bytes take a 64-byte swizzle
-    if row_bytes % TMA_SMEM_ALIGN and not (tiles.itemsize == 1 and row_bytes == 64):
-        raise ValueError(f"head_dim={head_dim} x {tiles.itemsize} bytes must be a multiple of"
-                         " 128 bytes (whole swizzled TMA rows): use head_dim 64 or 128")
     return tiles
+
+
+def geometry_refusal(page_size: int, head_dim: int, itemsize: int, *,
+                     scaled: bool) -> str | None:
+    """Why the kernels cannot stream pages of ``page_size`` tokens x ``head_dim`` elements of
+    ``itemsize`` bytes (``scaled``: 8-bit codes with scales), or None when they can. One rule
+    for :func:`validate_kv` and for ``attention_impl="auto"``
+    (:func:`paxkv.paged_cache.resolve_impl`), which falls back to XLA instead of failing."""
+    if page_size % 8:
+        return f"page_size={page_size} must be a multiple of 8 (SMEM row tiling)"
+    if scaled and page_size % 16:
+        return (f"page_size={page_size} with 8-bit K/V: a page's scales ({8 * page_size} bytes)"
+                " are under one 128-byte copy; use a multiple of 16 (32 wastes no SMEM rows),"
+                " or attention_impl='xla'")
+    row_bytes = head_dim * itemsize  # 8-bit rows of 64 bytes take a 64-byte swizzle
+    if row_bytes % TMA_SMEM_ALIGN and not (itemsize == 1 and row_bytes == 64):
+        return (f"head_dim={head_dim} x {itemsize} bytes must be a multiple of 128 bytes"
+                " (whole swizzled TMA rows): use head_dim 64 or 128")
+    return None
 
 
 def check_query(q_dtype, head_dim: int, tiles: KVTiles) -> None:

@@ -19,6 +19,7 @@ from jax import lax
 from paxkv import buckets
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
+from paxkv import quant
 from paxkv.attention import paged_xla
 from paxkv.attention.blocks import default_sm_scale
 from paxkv.attention.plan import NO_PLAN, AttentionPlan
@@ -28,15 +29,27 @@ from paxkv.step_info import StepInfo
 IMPLS = ("xla", "pallas")
 
 
-def resolve_impl(impl: str, dtype: jnp.dtype = jnp.float32) -> str:
-    """``"auto"`` -> the Pallas kernels on a GPU, the XLA path elsewhere; checks the name.
-    ``dtype`` (the K/V dtype) does not change the choice: the kernels read every dtype a pool
-    stores on a GPU (floats; int8 and fp8 codes with their scales)."""
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    if impl not in IMPLS:
+def resolve_impl(impl: str, dtype: jnp.dtype, *, page_size: int, head_dim: int,
+                 backend: str | None = None) -> str:
+    """``"auto"`` -> the Pallas kernels on a GPU when they can stream pages of this geometry
+    (``page_size`` tokens x ``head_dim`` of K/V ``dtype``: floats, or int8 / fp8 codes with
+    scales), the XLA path otherwise: a small test model on a GPU (head_dim 16, page 4) runs
+    rather than failing at its first step. Naming ``"pallas"`` keeps the kernels' own error.
+    ``backend``: JAX's default backend unless given. Checks the name."""
+    if impl not in IMPLS + ("auto",):
         raise ValueError(f"attention_impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
-    return impl
+    if impl != "auto":
+        return impl
+    if (backend or jax.default_backend()) != "gpu":
+        return "xla"
+    from pallas_kernels._tiles import FLOAT_DTYPES, geometry_refusal  # Mosaic GPU: on a GPU only
+
+    dtype = jnp.dtype(dtype)
+    scaled = quant.format_of(dtype) is not None
+    if not scaled and dtype not in FLOAT_DTYPES:
+        return "xla"
+    itemsize = 1 if scaled else dtype.itemsize
+    return "xla" if geometry_refusal(page_size, head_dim, itemsize, scaled=scaled) else "pallas"
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "table"],
@@ -231,12 +244,13 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
     sequences of at most ``max_len`` tokens each, K/V in ``dtype`` (bfloat16 on a CPU is
     stored as bits: :mod:`paxkv.kv_storage`; ``jnp.int8`` / ``jnp.float8_e4m3fn`` as 8-bit
     codes with per-token scales: :mod:`paxkv.quant`). ``attention_impl``: "auto" (the Pallas
-    kernels on a GPU, XLA elsewhere), "pallas" or "xla"."""
+    kernels on a GPU where they serve this geometry, XLA elsewhere: :func:`resolve_impl`),
+    "pallas" or "xla"."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len!r}")
-    impl = resolve_impl(attention_impl, dtype)
+    impl = resolve_impl(attention_impl, dtype, page_size=page_size, head_dim=head_dim)
     max_pages_per_seq = buckets.cdiv(max_len, page_size)
     table = pt.create(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
                       max_pages_per_seq=max_pages_per_seq)

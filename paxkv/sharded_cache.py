@@ -282,7 +282,7 @@ def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num
     if not isinstance(page_size, int) or page_size < 1 or max_len < 1:
         raise ValueError(f"page_size and max_len must be ints >= 1, got {page_size!r}, "
                          f"{max_len!r}")
-    impl = resolve_impl(attention_impl, dtype)
+    impl = resolve_impl(attention_impl, dtype, page_size=page_size, head_dim=head_dim)
     if impl == "pallas" and model > 1:
         raise ValueError("the Pallas kernels do not run on a model axis yet: use "
                          "attention_impl='xla' on a (data, model) mesh with model > 1, or a "

@@ -548,7 +548,12 @@ def test_table_ops_collectives_placement_and_donation():
     assert donation["deleted"] and donation["ok"] and donation["problems"] == []
     # beam search on a (2, 1) mesh: one device's beams; the padding prompt's pages count too
     ref, run = found["beams"]["ref"], found["beams"]["mesh"]
-    assert run["beams"] == ref["beams"] and len(run["beams"]) == 3
+    # tokens exactly; scores (rounded to 4 places by the worker) to 2e-4: the mesh's program
+    # sums in another order, and -0.61525 rounds either way (seen under QUICK_XLA on 12-04)
+    tokens = lambda found: [[b[0] for b in beams] for beams in found["beams"]]  # noqa: E731
+    scores = lambda found: [[b[1] for b in beams] for beams in found["beams"]]  # noqa: E731
+    assert tokens(run) == tokens(ref) and len(run["beams"]) == 3
+    np.testing.assert_allclose(scores(run), scores(ref), atol=2e-4)
     assert run["all_free"] and ref["all_free"] and run["stale"] == ref["stale"] == 0
     assert run["num_pages"] == ref["num_pages"] * 4 // 3
     # scoring on a (2, 1) mesh: each context forks its continuations inside one shard
