@@ -52,7 +52,8 @@ class Engine:
       page_size, num_pages: paged layout; ``num_pages`` defaults to the dense reservation
         ``max_seqs * ceil(max_len / page_size)``.
       kv_dtype: K/V dtype (``jnp.bfloat16``: half the bytes; stored as bits on a CPU).
-      attention_impl: "auto" (Pallas on GPU, XLA elsewhere), "pallas" or "xla".
+      attention_impl: "auto" (Pallas on a GPU for pages the kernels accept, else XLA),
+        "pallas" or "xla".
       prefill_chunk: longest prompt chunk per prefill call; prefill_tokens: batch x chunk budget.
       prefix_cache: reuse cached full pages across requests (default: on for a paged cache).
         Cached pages stay after their requests finish, until evicted for room or dropped by
