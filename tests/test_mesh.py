@@ -575,27 +575,3 @@ def test_mesh_and_size_errors_name_the_fix():
     assert engine["prefix"] == "no error"  # one prefix index per shard
     # the engine-facing num_pages is one shard's (module docstring of paxkv.sharded_cache)
     assert found["is_kv_cache"] and found["sizes"] == [4, 4, 8, 16, 4]
-
-
-def worker_readme() -> dict:
-    """The README's "Scaling out" block as written, then two requests through its engine."""
-    import re  # noqa: PLC0415
-
-    text = (ROOT / "README.md").read_text()
-    block = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
-             if "sharded_cache.create(" in b and "make_mesh(" in b]
-    assert len(block) == 1, f"{len(block)} README blocks build a sharded cache"
-    namespace: dict = {}
-    exec(compile(block[0], "README.md", "exec"), namespace)  # noqa: S102
-    engine, lm = namespace["engine"], namespace["lm"]
-    ids = [engine.submit(lm.encode(q), max_new_tokens=4) for q in ("The sky is", "Hi")]
-    results = engine.run()
-    return dict(lengths=[len(results[i].token_ids) for i in ids],
-                free=int(engine.cache.stats().free_pages), pages=engine.cache.total_pages)
-
-
-@pytest.mark.model  # the README block loads the default model
-def test_readme_scaling_out_block_runs():
-    found = run_worker("readme")
-    assert all(1 <= n <= 4 for n in found["lengths"])
-    assert found["free"] == found["pages"]
