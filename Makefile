@@ -27,7 +27,7 @@ demo: $(VENV)/.runtime
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache $(PY) -m experiments.demo
 
 # The tests run in two passes of two workers (one per core here; a file's tests stay on one
-# worker, sharing its compiles). The first runs everything that loads the default model or
+# worker, sharing its compiles; the longest files start first: tests/conftest.py). The first runs everything that loads the default model or
 # asks HF (`model`, `oracle`) with XLA's usual flags: the programs users run. The second runs
 # the rest (page table, tiny models, interpret-mode kernels, forced-device subprocesses): what
 # they check is paxkv's logic and the HLO it builds, against references compiled the same
@@ -35,7 +35,7 @@ demo: $(VENV)/.runtime
 # test-fast 3:51 -> 2:30 here). The real model's steps run slower so, hence the first pass
 # (experiments/LOG.md, 12-03 night).
 QUICK_XLA := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.testing
 	$(PYTEST) --durations=10 -m "model or oracle"

@@ -21,6 +21,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Float32 oracles need full-precision matmuls (TF32 on GPU would miss 1e-4), and the
     ``hf_greedy`` disk cache belongs under pytest's cache dir."""
     jax.config.update("jax_default_matmul_precision", "highest")
+    config.pluginmanager.register(_LongFilesFirst(), "paxkv-long-files-first")
     cache = getattr(config, "cache", None)
     if cache is not None:
         oracle.set_cache_dir(cache.mkdir("paxkv_oracle"))
@@ -51,6 +52,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if key in first:
                 item.add_marker(pytest.mark.grid)
             first.add(key)
+
+
+class _LongFilesFirst:
+    """Orders the selected tests file by file: files holding a ``slow`` test first, then by
+    their number of tests, so that ``pytest -n 2 --dist loadfile --no-loadscope-reorder`` (the
+    Makefile) starts the longest files first. xdist's own order (most tests first) started the
+    default model's 126 s mesh test, its file's only selected test, last: one worker ran
+    ~80 s after the other had finished (experiments/LOG.md, 12-04)."""
+
+    @pytest.hookimpl(trylast=True)  # after ``-m`` has deselected
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        files: dict[str, list] = {}
+        for item in items:
+            slow_count = files.setdefault(item.nodeid.split("::")[0], [False, 0])
+            slow_count[0] |= item.get_closest_marker("slow") is not None
+            slow_count[1] += 1
+        rank = {f: (not slow, -n, i) for i, (f, (slow, n)) in enumerate(files.items())}
+        items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 # Linux lets a process hold at most vm.max_map_count (65,530 here) memory mappings, and every
