@@ -27,7 +27,8 @@ demo: $(VENV)/.runtime
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache $(PY) -m experiments.demo
 
 # The tests run in two passes of two workers (one per core here; a file's tests stay on one
-# worker, sharing its compiles; the longest files start first: tests/conftest.py). The first runs everything that loads the default model or
+# worker, sharing its compiles; files holding a long test start first: tests/conftest.py).
+# The first runs everything that loads the default model or
 # asks HF (`model`, `oracle`) with XLA's usual flags: the programs users run. The second runs
 # the rest (page table, tiny models, interpret-mode kernels, forced-device subprocesses): what
 # they check is paxkv's logic and the HLO it builds, against references compiled the same

@@ -26,8 +26,8 @@ from test_mesh import ROOT, REF_PAGES, TIGHT, _engine_run, _start, _workload, ru
 pytestmark = pytest.mark.devices
 
 TINY_MESHES = [[4, 2], [2, 4], [1, 4]]  # both axes, model only
-# data only, both axes (a model-only mesh is the tiny model's (1, 4): the default model's
-# (1, 3) cost the suite ~40 s and checked no path that (2, 3) and (1, 4) leave out)
+# data only, both axes (a model-only mesh is the tiny model's (1, 4): a leg of the default
+# model takes 21-33 s here, and (1, 3) checked no path that (2, 3) and (1, 4) leave out)
 REAL_MESHES = [[6, 1], [2, 3]]
 
 
@@ -116,8 +116,9 @@ def worker_tiny(meshes: list[list[int]]) -> dict:
 
 
 def worker_real(meshes: list[list[int]]) -> dict:
-    """The meshes, then the README's "Scaling out" block in the same process (the model loaded
-    once: a subprocess of its own cost the suite ~45 s)."""
+    """The meshes, then the README's "Scaling out" block in the same process, so the model
+    loads once (in a subprocess of its own the block took 46 s, 31 s of it its own run: the
+    model axis's slow prefill, experiments/LOG.md 12-04)."""
     _start()
     from paxkv import models  # noqa: PLC0415
 
