@@ -40,7 +40,7 @@ from paxkv import dense_cache, mesh as pmesh, paged_cache, sharded_cache
 from paxkv.attention.plan import NO_PLAN, AttentionPlan
 from paxkv.beam_select import Beams, select
 from paxkv.buckets import cdiv, prefix_bucket
-from paxkv.cache_ops import place_model
+from paxkv.engine_setup import place_model
 from paxkv.page_table import PageTable
 from paxkv.protocol import KVCache, check_model, shard_free_pages
 from paxkv.sharded_cache import ShardedPagedCache

@@ -27,7 +27,8 @@ from jax.sharding import Mesh
 
 from paxkv import accounting
 from paxkv.accounting import Counters, EngineStats, SequenceStats
-from paxkv.cache_ops import CacheOps, build_cache, place_model
+from paxkv.cache_ops import CacheOps
+from paxkv.engine_setup import build_cache, place_model
 from paxkv.lifecycle import Lifecycle
 from paxkv.policy import Growth, Shapes
 from paxkv.prefix_sharing import SharedPrefixes
@@ -68,7 +69,7 @@ class Engine:
         ``num_pages`` must divide by it; :mod:`paxkv.sharded_cache`), each request placed in
         the shard holding its cached prefix if it has room, else in the least-loaded one
         (the prefix cache keeps one index per shard: page ids are shard-local); kv heads and
-        the weights split over ``model`` (:func:`paxkv.cache_ops.place_model`). None: one
+        the weights split over ``model`` (:func:`paxkv.engine_setup.place_model`). None: one
         device. Across processes (:func:`paxkv.distributed.process_mesh`): every process
         builds the same engine and makes the same calls in the same order.
     """

@@ -28,7 +28,8 @@ from jax.sharding import Mesh
 
 from paxkv import policy, shard_routing
 from paxkv.attention import plan as attention_plan
-from paxkv.cache_ops import CacheOps, build_cache, host, place_model
+from paxkv.cache_ops import CacheOps, host
+from paxkv.engine_setup import build_cache, place_model
 from paxkv.prefix_cache import Hit
 from paxkv.protocol import check_model
 from paxkv.scoring import steps
@@ -54,7 +55,7 @@ class Scorer:
       prefill_chunk: widest context chunk per step; prefill_tokens, score_tokens: batch x
         width budgets of a context step and of a continuation step (whose ``[b, t, vocab]``
         logits stay inside the step).
-      mesh: a ``("data", "model")`` mesh for the paged cache (:func:`paxkv.cache_ops.
+      mesh: a ``("data", "model")`` mesh for the paged cache (:func:`paxkv.engine_setup.
         build_cache`): each context and its continuations share pages in one data shard
         (:func:`paxkv.shard_routing.pick_shard`); no prefix index across contexts there.
     """
