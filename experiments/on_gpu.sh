@@ -5,6 +5,7 @@
 #
 #   bash experiments/on_gpu.sh [OUT_DIR]      # default results/gpu; ~10 min on an H200
 #   STAGES="kernels_tune gpu_model" bash experiments/on_gpu.sh   # some stages only
+#   LIMIT_gpu_model=300 bash experiments/on_gpu.sh                 # one stage's limit, in seconds
 #
 # Needs jax with CUDA, flax, numpy, pytest, hypothesis, gguf, tokenizers, jinja2 (no model file:
 # the model stage uses SmolLM2-135M's shapes with random weights).
@@ -20,8 +21,9 @@ py=${PYTHON:-python3}
 
 stages=" ${STAGES:-env kernel_tests engine_tests gpu_model kernels kernels_tune} "
 
-stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log to $out/NAME.txt
-  local name=$1 limit=$2; shift 2
+stage() {  # stage NAME SECONDS CMD...: run CMD under a limit (LIMIT_NAME overrides it), log to $out/NAME.txt
+  local name=$1 limit=$2 over="LIMIT_$1"; shift 2
+  limit=${!over:-$limit}
   [[ $stages == *" $name "* ]] || return 0
   echo "== $name (limit ${limit}s) $(date -u +%T)"
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
@@ -33,7 +35,7 @@ stage kernel_tests 200 "$py" -m pytest -q -p no:cacheprovider -W ignore::Depreca
 # engine_tests: the protocol's own small model, the cascade and chunked plans and int8 pools
 # end to end through the caches and Engine; on a GPU `attention_impl="auto"` picks the Pallas
 # kernels, so this is the engine over the compiled kernels (the suite runs them interpreted)
-stage engine_tests 150 "$py" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+stage engine_tests 200 "$py" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
   -m "not model and not oracle and not devices and not slow" \
   tests/test_protocol.py tests/test_cascade.py tests/test_chunked.py tests/test_int8.py
 # kernels: bf16 and int8 (codes + scales) pools side by side at every point, page sizes 16-128

@@ -86,6 +86,15 @@ def _float32_twin(cache):
     return dataclasses.replace(cache, k=k, v=v, scales=None)
 
 
+def _real_pages(cache):
+    """The paged cache with its pool cut to the real pages. Every padded token's write lands in
+    the sentinel page (index ``num_pages``), and a GPU scatter does not fix which of those
+    writes lands last: on the H200 of 12-04 only the sentinels differed."""
+    n = cache.pool.num_pages
+    return dataclasses.replace(cache, pool=kv_pool.KVPool(k=cache.pool.k[:, :n],
+                                                          v=cache.pool.v[:, :n]))
+
+
 def _make(kind: str, fmt: quant.Format, **kw):
     shape = dict(num_layers=1, num_kv_heads=2, head_dim=8, max_seqs=4, max_len=24,
                  dtype=fmt.dtype, fill=float("nan"), **kw)
@@ -163,6 +172,8 @@ def _assert_exact(kind: str, fmt: quant.Format, attend=attend_jit) -> None:
             np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]),
                                        rtol=1e-6, atol=1e-6)
             got, want = _float32_twin(caches[0]), caches[1]
+            if kind == "paged":
+                got, want = _real_pages(got), _real_pages(want)
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # NaN: NaN
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
