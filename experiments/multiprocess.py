@@ -81,10 +81,11 @@ def packed(own: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
 def held(cache: Any) -> dict[str, list[int]]:
     """The data shards whose pool and table blocks sit on this process's devices (from
     ``addressable_shards``: only what this process can read)."""
-    def shards(x: jax.Array) -> list[int]:
-        return sorted({s.index[0].start or 0 for s in x.addressable_shards})
+    def shards(x: jax.Array, axis: int) -> list[int]:  # the data shards on ``axis``
+        return sorted({(s.index[axis].start or 0) // (x.shape[axis] // cache.num_shards)
+                       for s in x.addressable_shards})
 
-    return dict(pool=shards(cache.pools.k), table=shards(cache.tables.block_tables))
+    return dict(pool=shards(cache.pools.k, 1), table=shards(cache.tables.block_tables, 0))
 
 
 def decode(lm: Any, cache: Any, first: jax.Array, live: jax.Array, steps_: int, loop: str,

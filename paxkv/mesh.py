@@ -1,22 +1,27 @@
 """Mesh helpers for the sharded cache: the ``("data", "model")`` mesh, its checks, and the
 per-shard runner every sharded operation goes through.
 
-A sharded cache's arrays carry a leading *shard* axis of size ``data`` placed on the mesh's
-``data`` axis (``P("data")``), so each device's block is one shard's single-device state; the
-pool's kv-head axis is also split over ``model`` (:data:`POOL`, tensor parallel), so device
-``(d, m)`` holds shard ``d``'s pages for kv heads ``m * K/model ... (m + 1) * K/model - 1``::
+A sharded cache's page-table arrays carry a leading *shard* axis of size ``data`` placed on the
+mesh's ``data`` axis (``P("data")``), so each device's block is one shard's table. The pool
+keeps a single-device pool's axes, its page axis holding every shard's pages one shard after
+another (:data:`POOL`: pages on ``data``, kv heads on ``model``), so device ``(d, m)``'s block
+is exactly a single-device pool of shard ``d``'s pages for kv heads ``m * K/model ... (m + 1)
+* K/model - 1``::
 
-    pool.k   [data, layers, pages_per_shard + 1, kv_heads, page_size, head_dim]
-                |                                   |
-                +-- "data"                          +-- "model"      (1 / (data x model) each)
+    pool.k   [layers, data * (pages_per_shard + 1), kv_heads, page_size, head_dim]
+                       |                              |
+                       +-- "data"                     +-- "model"   (1 / (data x model) each)
     table    block_tables [data, rows_per_shard, max_pages_per_seq], ref_counts [data, ...]
                 |
                 +-- "data", the same on every device of one model row
 
-:func:`per_shard` runs a single-device function on each block inside one ``shard_map`` (the
-leading axis dropped inside, restored outside), so the pure page-table ops and the paged
-attention run unchanged on a device's pages and heads, with no collective unless the caller
-asks for one.
+:func:`per_shard` runs a single-device function on each block inside one ``shard_map`` (a
+leading shard axis dropped inside and restored outside; the pool needs neither), so the pure
+page-table ops and the paged attention run unchanged on a device's pages and heads, with no
+collective unless the caller asks for one. The pool has no shard axis because dropping and
+restoring one is a reshape around a size-1 axis, and with one kv head a device (two size-1
+axes) XLA's CPU layout assignment turned those reshapes into copies of the whole pool, 4 a
+layer (experiments/LOG.md, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 SHARDED = P(DATA)  # a leading shard axis on the data axis
 REPLICATED = P()
-# [data, layers, pages + 1, kv_heads, ...] pool leaves and [data, rows, t, heads, head_dim]
-# q / k / v blocks: the shard axis on data, the (kv) head axis on model
-POOL = HEADS = P(DATA, None, None, MODEL)
+# [layers, data * (pages + 1), kv_heads, ...] pool leaves: pages on data, kv heads on model
+POOL = P(None, DATA, MODEL)
+# [data, rows, t, heads, head_dim] q / k / v blocks: the shard axis on data, heads on model
+HEADS = P(DATA, None, None, MODEL)
 ROW_HEADS = P(None, None, MODEL)  # [b, t, heads, head_dim] seen whole by every data shard
 
 
@@ -110,7 +116,7 @@ def sharded(mesh: Mesh) -> NamedSharding:
 
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:
-    """Where every pool leaf lives: shard axis on ``data``, kv-head axis on ``model``."""
+    """Where every pool leaf lives: page axis on ``data``, kv-head axis on ``model``."""
     return NamedSharding(mesh, POOL)
 
 
@@ -120,29 +126,32 @@ def per_shard(fn: Callable[..., Any], mesh: Mesh, blocks: Any, shared: Any = (),
     """Runs ``fn(block, shared)`` once per data shard inside one ``shard_map``.
 
     Args:
-      fn: a single-device function of one shard's ``block`` (the leading axis removed) and
-        ``shared``; it may call ``jax.lax.axis_index("data")`` for its shard id. Outputs
-        whose spec is ``SHARDED`` get the leading axis back; ``REPLICATED`` ones must be the
-        same on every shard (a ``psum`` over ``"data"`` makes them so).
-      blocks: a pytree whose array leaves are ``[data, ...]`` (placed by ``shard_map``).
+      fn: a single-device function of one shard's ``block`` (the leading shard axis removed
+        from leaves whose spec starts with ``"data"``) and ``shared``; it may call
+        ``jax.lax.axis_index("data")`` for its shard id. Outputs whose spec starts with
+        ``"data"`` (``SHARDED``, ``HEADS``) get the leading axis back; ``POOL`` ones are
+        returned as they are; ``REPLICATED`` ones must be the same on every shard (a ``psum``
+        over ``"data"`` makes them so).
+      blocks: a pytree of ``[data, ...]`` arrays and pool leaves (placed by ``shard_map``).
       shared: a pytree of arrays every data shard sees whole.
-      out_specs: a pytree prefix of ``fn``'s outputs (default: all ``SHARDED``); a spec
-        whose first entry is ``"data"`` (``SHARDED``, ``POOL``) gets the leading axis back.
+      out_specs: a pytree prefix of ``fn``'s outputs (default: all ``SHARDED``).
       block_specs, shared_specs: pytree prefixes of ``blocks`` / ``shared``: ``POOL`` /
         ``HEADS`` leaves (or ``ROW_HEADS`` shared ones) arrive with only this device's heads.
     """
     def body(block: Any, rest: Any) -> Any:
-        out = fn(jax.tree.map(lambda x: x[0], block), rest)
-        return jax.tree.map(lambda spec, o: _restack(spec, o), out_specs, out,
-                            is_leaf=lambda x: isinstance(x, P))
+        out = fn(_on_shard_axis(block_specs, block, lambda x: x[0]), rest)
+        return _on_shard_axis(out_specs, out, lambda x: x[None])
 
     return jax.shard_map(body, mesh=mesh, in_specs=(block_specs, shared_specs),
                          out_specs=out_specs)(blocks, shared)
 
 
-def _restack(spec: P, out: Any) -> Any:
-    stacked = len(spec) > 0 and spec[0] == DATA
-    return jax.tree.map(lambda x: x[None], out) if stacked else out
+def _on_shard_axis(specs: Any, tree: Any, f: Callable[[jax.Array], jax.Array]) -> Any:
+    """``f`` on the leaves of ``tree`` whose spec (``specs`` is a pytree prefix) starts with
+    ``"data"``: those with a leading shard axis."""
+    def on(spec: P, sub: Any) -> Any:
+        return jax.tree.map(f, sub) if len(spec) > 0 and spec[0] == DATA else sub
+    return jax.tree.map(on, specs, tree, is_leaf=lambda x: isinstance(x, P))
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all",

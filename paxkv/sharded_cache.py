@@ -3,8 +3,8 @@ data shard, its kv heads split over the model axis.
 
 Each data shard owns ``rows_per_shard = max_seqs / data`` rows, ``pages_per_shard =
 num_pages / data`` pages and its own sentinel, with shard-local page ids. Every leaf of the
-pool and of the page table gains a leading shard axis placed on ``"data"``
-(:mod:`paxkv.mesh`), and every operation runs today's :class:`~paxkv.paged_cache.PagedCache`
+page table gains a leading shard axis placed on ``"data"``; the pool's page axis holds the
+shards' pages one shard after another, on ``"data"`` (:mod:`paxkv.mesh`), and every operation runs today's :class:`~paxkv.paged_cache.PagedCache`
 on each shard's block inside one ``shard_map``: table ops and in-order decode attention
 compile to no collective at all. On a model axis each device of a data shard holds ``K /
 model`` of its kv heads and attends with the matching q heads (:mod:`paxkv.sharded_attention`):
@@ -59,9 +59,11 @@ class ShardedPagedCache:
     """Paged KV for ``max_seqs`` rows split over the mesh's data axis.
 
     Attributes:
-      pools: every shard's pool, leaves ``[data, layers, pages_per_shard + 1, kv_heads,
-        page_size, head_dim]`` (scales ``[data, layers, pages_per_shard + 1, kv_heads, 2,
-        page_size]``), on ``P("data", None, None, "model")`` (:data:`paxkv.mesh.POOL`).
+      pools: every shard's pool along the page axis, leaves ``[layers, data *
+        (pages_per_shard + 1), kv_heads, page_size, head_dim]`` (scales ``[layers, data *
+        (pages_per_shard + 1), kv_heads, 2, page_size]``), on ``P(None, "data", "model")``
+        (:data:`paxkv.mesh.POOL`): shard ``s`` holds pages ``s * (pages_per_shard + 1)`` on,
+        its sentinel last.
       tables: every shard's page table, leaves ``[data, ...]`` on ``P("data")``; its static
         ``num_pages`` is ``pages_per_shard`` and its ids are shard-local.
       mesh: a ``("data", "model")`` mesh whose model axis divides ``kv_heads`` (static).
@@ -296,7 +298,7 @@ def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num
     def make_pools() -> kv_pool.KVPool:
         one = kv_pool.create(num_layers=num_layers, num_pages=pages, num_kv_heads=num_kv_heads,
                              page_size=page_size, head_dim=head_dim, dtype=dtype, fill=fill)
-        return jax.tree.map(lambda x: jnp.broadcast_to(x, (data, *x.shape)), one)
+        return jax.tree.map(lambda x: jnp.tile(x, (1, data) + (1,) * (x.ndim - 2)), one)
 
     # each device builds only its block
     pools = jax.jit(make_pools, out_shardings=pmesh.pool_sharding(mesh))()

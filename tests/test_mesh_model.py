@@ -268,7 +268,7 @@ def test_model_axis_step_collectives():
         assert place["devices"] == data * model
         assert place["per_device"] == [place["total"] // (data * model)]
         assert place["kv_bytes_per_device"] == place["kv_bytes"] == 2 * place["per_device"][0]
-        assert found[mesh]["pool_block"][3] == 4 // model  # kv heads per device
+        assert found[mesh]["pool_block"][2] == 4 // model  # kv heads per device
 
 
 def test_model_axis_errors_name_the_fix():
