@@ -153,6 +153,15 @@ def _all_reduces(text: str) -> list[dict]:
     return found
 
 
+def _pool_copies(text: str, block: list[int]) -> int:
+    """Copies (``copy`` ops and copy fusions) of a device's pool block (``block``: its shape,
+    size-1 axes aside) in a compiled module: a step should write the pool in place."""
+    def sizes(dims):
+        return [d for d in dims if d != 1]
+    return sum(sizes(int(x) for x in m.group(1).split(",") if x) == sizes(block)
+               for m in re.finditer(r"%\S*copy\S* = \w+\[([\d,]*)\]", text))
+
+
 def worker_hlo(meshes: list[list[int]]) -> dict:
     """Collectives of the compiled prefill and decode steps of the 4-kv-head model per mesh."""
     _start()
@@ -167,6 +176,7 @@ def worker_hlo(meshes: list[list[int]]) -> dict:
         cache = sharded_cache.create(mesh=mesh, num_pages=64, **_dims(lm))
         s = cache.max_seqs
         rows, qlens = jnp.arange(8, dtype=jnp.int32), jnp.full((8,), 16, jnp.int32)
+        block = list(cache.pools.k.addressable_shards[0].data.shape)
         found = {}
         for name, fn, rest in (
                 ("prefill", steps.prefill_step, (jnp.ones((8, 16), jnp.int32), rows, qlens,
@@ -175,10 +185,9 @@ def worker_hlo(meshes: list[list[int]]) -> dict:
                                                jnp.ones((s,), bool), None))):
             text = fn.lower(tp_lm.forward, tp_lm.params, cache, *rest).compile().as_text()
             found[name] = dict(counts=pmesh.count_collectives(text),
-                               all_reduces=_all_reduces(text))
-        out[f"{data}x{model}"] = dict(found, placement=_placement(cache),
-                                      pool_block=list(cache.pools.k.addressable_shards[0]
-                                                      .data.shape))
+                               all_reduces=_all_reduces(text),
+                               pool_copies=_pool_copies(text, block))
+        out[f"{data}x{model}"] = dict(found, placement=_placement(cache), pool_block=block)
     return out
 
 
@@ -248,7 +257,8 @@ def test_model_axis_step_collectives():
     """A model axis adds exactly 2 all-reduces per layer, of the [b, t, D] activations after
     the row-parallel o_proj and down_proj; everything else is the data-only step's (prefill:
     one psum of the attention output over data per layer, a few scalars outside; decode: two
-    scalars outside); no all-gather, no other collective; the pool split 1 / (data x model).
+    scalars outside); no all-gather, no other collective; the pool split 1 / (data x model);
+    no copy of a device's pool (one kv head a device once cost 4 a layer: 14 a step here).
     """
     found = run_worker("hlo", [[8, 1], [4, 2], [2, 4], [1, 4]], module="test_mesh_model")
     for mesh in ("4x2", "2x4", "1x4"):
@@ -256,6 +266,7 @@ def test_model_axis_step_collectives():
         for step, b, t in (("prefill", 8, 16), ("decode", 16 // data, 1)):
             run, base = found[mesh][step], found["8x1"][step]["all_reduces"]
             print(mesh, step, [(a["type"], a["in_layer"]) for a in run["all_reduces"]])
+            assert run["pool_copies"] == found["8x1"][step]["pool_copies"] == 0, (mesh, step)
             assert sum(run["counts"].values()) == run["counts"]["all-reduce"], run["counts"]
             layer = [a["type"] for a in run["all_reduces"] if a["in_layer"]]
             hidden = [x for x in layer if x.endswith(",32]")]
