@@ -295,9 +295,5 @@ class PrefixIndex:
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

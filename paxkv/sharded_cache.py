@@ -2,13 +2,13 @@
 data shard, its kv heads split over the model axis.
 
 Each data shard owns ``rows_per_shard = max_seqs / data`` rows, ``pages_per_shard =
-num_pages / data`` pages and its own sentinel, with shard-local page ids. Every leaf of the
-page table gains a leading shard axis placed on ``"data"``; the pool's page axis holds the
-shards' pages one shard after another, on ``"data"`` (:mod:`paxkv.mesh`), and every operation runs today's :class:`~paxkv.paged_cache.PagedCache`
-on each shard's block inside one ``shard_map``: table ops and in-order decode attention
-compile to no collective at all. On a model axis each device of a data shard holds ``K /
-model`` of its kv heads and attends with the matching q heads (:mod:`paxkv.sharded_attention`):
-the page table is the same on each of them, and the model's weights are split to match
+num_pages / data`` pages and its own sentinel, with shard-local page ids. The page table's
+leaves gain a leading shard axis on ``"data"``; the pool's page axis holds the shards' pages
+one shard after another, also on ``"data"`` (:mod:`paxkv.mesh`). Every operation runs today's
+:class:`~paxkv.paged_cache.PagedCache` on each shard's block inside one ``shard_map``: table
+ops and in-order decode attention compile to no collective. On a model axis each device of a
+shard holds ``K / model`` of its kv heads and attends with the matching q heads
+(:mod:`paxkv.sharded_attention`), the table the same on each, the weights split to match
 (:mod:`paxkv.tensor_parallel`). Outside, rows are one flat ``[max_seqs]`` axis, so
 :mod:`paxkv.steps` and :class:`paxkv.Engine` drive it unchanged::
 
@@ -44,10 +44,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from paxkv import buckets, mesh as pmesh, page_stats, sharded_attention
+from paxkv import mesh as pmesh, page_stats, paged_cache, sharded_attention
 from paxkv import page_table as pt
 from paxkv import pool as kv_pool
-from paxkv.paged_cache import PagedCache, resolve_impl
+from paxkv.paged_cache import PagedCache
 from paxkv.sharded_attention import STATE
 from paxkv.step_info import StepInfo
 
@@ -281,25 +281,22 @@ def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num
     mesh = pmesh.auto(mesh)
     rows = pmesh.split_data("max_seqs", max_seqs, data)
     pages = pmesh.split_data("num_pages", num_pages, data)
-    if not isinstance(page_size, int) or page_size < 1 or max_len < 1:
-        raise ValueError(f"page_size and max_len must be ints >= 1, got {page_size!r}, "
-                         f"{max_len!r}")
-    impl = resolve_impl(attention_impl, dtype, page_size=page_size, head_dim=head_dim)
+    one_shard = functools.partial(  # also checks the sizes and resolves attention_impl
+        paged_cache.create, num_layers=num_layers, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, num_pages=pages, page_size=page_size, max_seqs=rows,
+        max_len=max_len, dtype=dtype, scrub=scrub, fill=fill, attention_impl=attention_impl)
+    impl = jax.eval_shape(one_shard).impl
     if impl == "pallas" and model > 1:
         raise ValueError("the Pallas kernels do not run on a model axis yet: use "
                          "attention_impl='xla' on a (data, model) mesh with model > 1, or a "
                          "(data, 1) mesh")
-    table = pt.create(num_pages=pages, page_size=page_size, max_seqs=rows,
-                      max_pages_per_seq=buckets.cdiv(max_len, page_size))
-    where = pmesh.sharded(mesh)
-    tables = jax.tree.map(
-        lambda x: jax.device_put(jnp.broadcast_to(x, (data, *x.shape)), where), table)
 
-    def make_pools() -> kv_pool.KVPool:
-        one = kv_pool.create(num_layers=num_layers, num_pages=pages, num_kv_heads=num_kv_heads,
-                             page_size=page_size, head_dim=head_dim, dtype=dtype, fill=fill)
-        return jax.tree.map(lambda x: jnp.tile(x, (1, data) + (1,) * (x.ndim - 2)), one)
+    def stacked() -> tuple[kv_pool.KVPool, pt.PageTable]:
+        one = one_shard()
+        return (jax.tree.map(lambda x: jnp.tile(x, (1, data) + (1,) * (x.ndim - 2)), one.pool),
+                jax.tree.map(lambda x: jnp.broadcast_to(x, (data, *x.shape)), one.table))
 
-    # each device builds only its block
-    pools = jax.jit(make_pools, out_shardings=pmesh.pool_sharding(mesh))()
+    # each device builds only its blocks
+    pools, tables = jax.jit(stacked, out_shardings=(pmesh.pool_sharding(mesh),
+                                                    pmesh.sharded(mesh)))()
     return ShardedPagedCache(pools=pools, tables=tables, mesh=mesh, scrub=scrub, impl=impl)
