@@ -21,7 +21,8 @@ py=${PYTHON:-python3}
 
 stages=" ${STAGES:-env kernel_tests engine_tests gpu_model kernels kernels_tune} "
 
-stage() {  # stage NAME SECONDS CMD...: run CMD under a limit (LIMIT_NAME overrides it), log to $out/NAME.txt
+# stage NAME SECONDS CMD...: run CMD under a limit (LIMIT_NAME overrides it), log to $out/NAME.txt
+stage() {
   local name=$1 limit=$2 over="LIMIT_$1"; shift 2
   limit=${!over:-$limit}
   [[ $stages == *" $name "* ]] || return 0
