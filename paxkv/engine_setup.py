@@ -31,9 +31,9 @@ def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int, max_len: int
             raise ValueError("mesh= builds the cache by name: pass cache='paged' with it (a "
                              "cache you built carries its own mesh: leave mesh out)")
         return cache
-    max_seqs, max_len, page_size = (_size(n, v) for n, v in (
+    max_seqs, max_len, page_size = (check_size(n, v) for n, v in (
         ("max_seqs", max_seqs), ("max_len", max_len), ("page_size", page_size)))
-    num_pages = None if num_pages is None else _size("num_pages", num_pages)
+    num_pages = None if num_pages is None else check_size("num_pages", num_pages)
     dims = dict(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
                 head_dim=model.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
     if cache == "paged":
@@ -72,9 +72,9 @@ def place_model(model: Any, mesh: Mesh | None) -> Any:
                          "rules), or use a (data, 1) mesh") from e
 
 
-def _size(name: str, value: Any) -> int:
+def check_size(name: str, value: Any) -> int:
     """``value`` as a Python int >= 1 (a numpy integer is fine); a ``ValueError`` naming
-    ``name`` otherwise."""
+    ``name`` otherwise. The one size check of every entry point's arguments."""
     try:
         size = operator.index(value)
     except TypeError:

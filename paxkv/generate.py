@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from paxkv.buckets import cdiv
 from paxkv.compiled_loop import run_fixed_batch
 from paxkv.engine import Engine, GenerationResult
+from paxkv.engine_setup import check_size
 from paxkv.sampling import SamplingParams
 
 
@@ -82,8 +83,7 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
     p = SamplingParams.of(params, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_k=top_k, top_p=top_p, seed=seed, n=n,
                           stop_token_ids=stop_token_ids, logprobs=logprobs)
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    page_size = check_size("page_size", page_size)
     if loop not in ("python", "jit"):
         raise ValueError(f"loop must be 'python' or 'jit', got {loop!r}")
     if loop == "jit" and (p.n != 1 or p.logprobs is not None):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from paxkv import buckets, mesh as pmesh, quant
+from paxkv.engine_setup import check_size
 from paxkv.scoring.requests import Pair, rolling_windows, token_pairs, truncate
 from paxkv.scoring.results import ScoreResult, ScoreStats
 from paxkv.scoring.scorer import Scorer
@@ -48,8 +49,7 @@ def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: b
     the pool is ``max_seqs`` full rows or :data:`KV_BUDGET_BYTES`, whichever is smaller (a
     dense cache gets fewer rows instead), and at least one full row (on a ``mesh``: per data
     shard, the pool a multiple of the data axis)."""
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    page_size = check_size("page_size", page_size)
     longest = max((len(c) + len(x) - 1 for c, x in pairs), default=1)
     max_len = buckets.cdiv(buckets.pow2(longest, 128), page_size) * page_size
     scale_bytes = 4 if quant.format_of(kv_dtype) else 0  # int8 / fp8: a float32 scale each
