@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from paxkv import page_table as pt
+from paxkv.table import page_table as pt
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration",

@@ -29,7 +29,7 @@ from typing import Any
 
 from paxkv import models
 from experiments.common import print_table, record, write_json
-from paxkv.beam_search import SearchResult, search
+from paxkv.decoding.beam_search import SearchResult, search
 
 WIDTH, PAGE_SIZE = 4, 16
 TARGETS = dict(paged_faster_from_context=1024, kv_saving=0.70)

@@ -44,7 +44,10 @@ import paxkv
 from experiments.accounting import paged_page_map, provenance
 from experiments.common import print_table, record, write_json
 from experiments.table_ops import host_table, random_ops, summarize_cancels
-from paxkv import cache_ops, page_table as pt, paged_cache, steps
+from paxkv.engine import cache_ops
+from paxkv.table import page_table as pt
+from paxkv.cache import paged as paged_cache
+from paxkv.core import steps
 
 
 # -- part 2: the engine with the real model ------------------------------------------------------

@@ -64,7 +64,8 @@ import paxkv
 from experiments.accounting import (Arena, CompileClock, arena_page_map, dense_page_map,
                                     paged_page_map, provenance)
 from experiments.common import clock, print_table, record, write_json
-from paxkv import page_table as pt, policy
+from paxkv.table import page_table as pt
+from paxkv.engine import policy
 
 SYSTEMS = ("paged", "dense_max_len", "dense_exact")
 TARGETS = dict(concurrency_x=10.0, waste_pct=4.0)

@@ -185,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check-cell", type=int, nargs=2, metavar=("BATCH", "CONTEXT"))
     ap.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
                     help="K/V dtype (bfloat16: half the bytes; on a CPU stored as bits, "
-                    "paxkv.kv_storage; int8: codes + per-token scales, paxkv.quant)")
+                    "pallas_kernels.kv_storage; int8: codes + per-token scales, pallas_kernels.quant)")
     args = ap.parse_args(argv)
     full = dict(batches=[1, 8, 32, 64], contexts=[128, 512, 2048], check_cell=[8, 512])
     quick = dict(batches=[1, 8], contexts=[128], check_cell=[4, 128])

@@ -35,7 +35,8 @@ from paxkv import models
 from experiments.common import print_table, timed_rounds, write_json
 from experiments.hashed_kv import filled_cache, step_logits, window_plan
 from paxkv.models.params import build_params, checkpoint_shapes
-from paxkv import paged_cache, steps
+from paxkv.cache import paged as paged_cache
+from paxkv.core import steps
 
 SMOLLM2_135M = models.LlamaConfig(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,

@@ -20,8 +20,8 @@ import numpy as np
 
 from paxkv import (dense_cache, kv_storage, page_table as pt, paged_cache, pool as kv_pool, quant,
                    steps)
-from paxkv.attention.plan import AttentionPlan
-from paxkv.step_info import StepInfo
+from paxkv.core.plan import AttentionPlan
+from paxkv.core.step_info import StepInfo
 
 PAGE_SIZE = 16
 

@@ -34,7 +34,7 @@ import numpy as np
 from experiments.common import timed
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_decode_attention_reference
-from paxkv import quant
+from pallas_kernels import quant
 from paxkv.attention.blocks import gather_pages
 
 FULL_SWEEP = (  # (batch, context, page_size): batch x context sweep, then page sizes

@@ -39,8 +39,9 @@ import numpy as np
 from experiments import capacity
 from experiments.common import cpu_seconds, print_table, record, timed_rounds, write_json
 from experiments.hashed_kv import PAGE_SIZE, decode, filled_cache, kv_bytes, window_plan
-from paxkv import models, paged_cache
-from paxkv.step_info import StepInfo
+from paxkv import models
+from paxkv.cache import paged as paged_cache
+from paxkv.core.step_info import StepInfo
 
 TARGETS = dict(int8_vs_bf16_tokens=1.85, int8_vs_f32_tokens=3.7, ppl_pct=0.5, top1=0.98,
                kl=1e-3)

@@ -8,13 +8,13 @@ Runs on 8 forced CPU devices (``JAX_NUM_CPU_DEVICES=8``, set here before JAX sta
 share this machine's two cores, so **no timing here is a result** and none is reported.
 
 * **memory**: for meshes (1..8, 1) and, with kv heads split, (1, 3), (2, 3) (SmolLM2's 3 kv
-  heads; (4, 2), (2, 4) with ``--quick``'s 4), a :func:`paxkv.sharded_cache.create` pool of
+  heads; (4, 2), (2, 4) with ``--quick``'s 4), a :func:`paxkv.scale.sharded_cache.create` pool of
   ``--pages`` pages: bytes each device holds (read from ``addressable_shards``), and the most
   sequences of ``--seq-len`` tokens that fit ``--budget-mib`` per device (each shard's pages
   less its sentinel, whole sequences per shard; a model axis holds a page's heads over
   ``model`` devices, so each holds ``1 / model`` of it).
 * **collectives**: the compiled prefill and decode steps of a random Llama with 4 kv heads on
-  each mesh, weights split by :mod:`paxkv.tensor_parallel`, with each collective's kind and
+  each mesh, weights split by :mod:`paxkv.scale.tensor_parallel`, with each collective's kind and
   result bytes, and how many sit in the scanned layer body (listed once in the HLO, run once
   per layer; bytes per step count them per layer). A data-only decode needs two scalars; a
   model axis adds two ``[b / data, 1, D]`` all-reduces per layer. A (1, 1) prefill lists one
@@ -41,8 +41,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.common import print_table, record, write_json  # noqa: E402
-from paxkv import mesh as pmesh, paged_cache, sharded_cache, steps  # noqa: E402
-from paxkv import tensor_parallel  # noqa: E402
+from paxkv.scale import mesh as pmesh
+from paxkv.cache import paged as paged_cache
+from paxkv.scale import sharded_cache
+from paxkv.core import steps  # noqa: E402
+from paxkv.scale import tensor_parallel  # noqa: E402
 
 DATA_MESHES = ((1, 1), (2, 1), (4, 1), (8, 1))
 MODEL_MESHES = {3: ((1, 3), (2, 3)), 4: ((4, 2), (2, 4))}  # by kv heads

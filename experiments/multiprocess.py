@@ -2,26 +2,26 @@
 
     python -m experiments.multiprocess                      # one process, its devices
     JAX_NUM_CPU_DEVICES=8 python -m experiments.multiprocess --quick
-    python -m paxkv.launch --processes 2 --devices 4 -- experiments.multiprocess --quick
+    python -m paxkv.scale.launch --processes 2 --devices 4 -- experiments.multiprocess --quick
 
-The same code either way: :func:`paxkv.distributed.initialize` joins the processes the
+The same code either way: :func:`paxkv.scale.distributed.initialize` joins the processes the
 launcher started (alone: nothing), the cache lives on a ``(data, 1)`` mesh over every
-process's devices (:func:`paxkv.distributed.process_mesh`: each process owns whole data
+process's devices (:func:`paxkv.scale.distributed.process_mesh`: each process owns whole data
 shards, hence whole rows), and each process
 
 1. reads only its own rows' prompts (here: cut from one seeded list; a real job would read
-   its part of a dataset) and feeds them (:func:`paxkv.distributed.feed`) to one
-   :func:`paxkv.steps.prefill_step` over all ``max_seqs`` rows;
-2. decodes ``--steps`` greedy tokens with :func:`paxkv.steps.decode_step` (``--loop step``,
-   next tokens fed back on device) or :func:`paxkv.steps.decode_loop` (``--loop jit``);
-3. gathers the tokens (:func:`paxkv.distributed.gather`), reports which pool shards it held
+   its part of a dataset) and feeds them (:func:`paxkv.scale.distributed.feed`) to one
+   :func:`paxkv.core.steps.prefill_step` over all ``max_seqs`` rows;
+2. decodes ``--steps`` greedy tokens with :func:`paxkv.core.steps.decode_step` (``--loop step``,
+   next tokens fed back on device) or :func:`paxkv.core.steps.decode_loop` (``--loop jit``);
+3. gathers the tokens (:func:`paxkv.scale.distributed.gather`), reports which pool shards it held
    (``addressable_shards``), releases every row and checks each shard's pool is free.
 
 Then the same processes run :class:`paxkv.Engine` on the same mesh (:func:`engine_run`): every
 process builds the same engine and makes the same calls in the same order (requests arriving
 between steps, one cancelled, prefix-cache hits, a pool tight enough to preempt). The engine's
 decisions are plain Python over the same inputs and the values it reads back from the devices
-are gathered (:func:`paxkv.distributed.gather`), so every process decides alike, and each
+are gathered (:func:`paxkv.scale.distributed.gather`), so every process decides alike, and each
 device holds only its own shard's pages and rows.
 
 Process 0 prints the tokens and writes ``results/multiprocess.json`` (``--out`` elsewhere).
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv import distributed
+from paxkv.scale import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,7 +92,7 @@ def decode(lm: Any, cache: Any, first: jax.Array, live: jax.Array, steps_: int, 
            mesh: Any) -> tuple[Any, jax.Array, jax.Array]:
     """``steps_`` greedy tokens a row from ``first`` (int32 ``[max_seqs]``, global): ``(cache,
     tokens [max_seqs, steps_], ok [max_seqs])``, all global arrays."""
-    from paxkv import steps  # noqa: PLC0415
+    from paxkv.core import steps  # noqa: PLC0415
 
     s = cache.max_seqs
     if loop == "jit":
@@ -118,7 +118,7 @@ def engine_run(lm: Any, mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     admission does not project growth, so shards preempt. Its tokens, counters and free
     pages (the same on every process)."""
     import paxkv  # noqa: PLC0415
-    from paxkv.policy import Growth  # noqa: PLC0415
+    from paxkv.engine.policy import Growth  # noqa: PLC0415
 
     data = mesh.shape["data"]
     rows = args.rows_per_shard * data
@@ -153,7 +153,9 @@ def engine_run(lm: Any, mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The loop of the module docstring on this process; everything it reports (gathered)."""
-    from paxkv import sharded_cache, steps, tensor_parallel  # noqa: PLC0415
+    from paxkv.scale import sharded_cache
+    from paxkv.core import steps
+    from paxkv.scale import tensor_parallel  # noqa: PLC0415
 
     mesh = distributed.process_mesh()
     data = mesh.shape["data"]

@@ -73,7 +73,8 @@ def _paxkv_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 def _step_variants() -> dict[str, int]:
     """Compiled variants of each jitted engine step so far (shapes x static plans)."""
-    from paxkv import cache_ops, steps
+    from paxkv.engine import cache_ops
+    from paxkv.core import steps
 
     fns = dict(prefill_step=steps.prefill_step, decode_step=steps.decode_step,
                release_rows=cache_ops.release_rows, fork_rows=cache_ops.fork_rows,

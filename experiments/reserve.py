@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import print_table, record, timed, write_json
-from paxkv import page_table as pt
+from paxkv.table import page_table as pt
 
 PAGE_SIZE = 16
 TARGET_MS = 2.0

@@ -38,9 +38,13 @@ import numpy as np
 from paxkv import models
 from experiments.accounting import provenance
 from experiments.common import clock, print_table, record, write_json
-from paxkv import dense_cache, page_table as pt, paged_cache, pool as kv_pool, steps
-from paxkv.attention.plan import AttentionPlan
-from paxkv.step_info import StepInfo
+from paxkv.cache import dense as dense_cache
+from paxkv.table import page_table as pt
+from paxkv.cache import paged as paged_cache
+from paxkv.cache import pool as kv_pool
+from paxkv.core import steps
+from paxkv.core.plan import AttentionPlan
+from paxkv.core.step_info import StepInfo
 
 KINDS = ("paged", "dense")
 TARGET_RATIO = 1.05

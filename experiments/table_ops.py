@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv import page_table as pt
+from paxkv.table import page_table as pt
 
 _reserve = jax.jit(pt.reserve, static_argnames=("max_new",))
 _release = jax.jit(pt.release)

@@ -6,6 +6,10 @@
 
 ``LanguageModel`` is a plain Python object (config, tokenizer, the Flax module); only
 ``params`` and the cache are pytrees, and they are what ``forward`` takes as traced arguments.
+
+May import: :mod:`paxkv.core` (the protocol's :class:`StepInfo`). Must not import the
+page table, the caches, the engine or the front ends: a cache reaches the model only as the
+``cache`` argument of ``forward``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from .config import LlamaConfig, RopeScaling
 from .llama import Llama
 from .params import Params
 from .tokenizer import Tokenizer
-from paxkv.step_info import StepInfo
+from paxkv.core.step_info import StepInfo
 
 __all__ = ["LanguageModel", "LlamaConfig", "RopeScaling", "Tokenizer", "default_model_path",
            "load"]
@@ -34,7 +38,7 @@ _MODELS: dict[tuple[str, str, str], "LanguageModel"] = {}
 
 class LanguageModel:
     """A loaded checkpoint: config, params, tokenizer, and a pure ``forward`` — a
-    :class:`paxkv.protocol.Model`.
+    :class:`paxkv.core.protocol.Model`.
 
     Attributes:
       config: the architecture (hashable; static under jit).
@@ -71,14 +75,14 @@ class LanguageModel:
     def forward(self, params: Params, tokens: jax.Array, step: StepInfo, cache: Any, *,
                 all_logits: bool = False) -> tuple[jax.Array, Any]:
         """One model step over ``[b, t]`` tokens; every layer attends through ``cache``
-        (:meth:`paxkv.protocol.Model.forward`).
+        (:meth:`paxkv.core.protocol.Model.forward`).
 
         Args:
           params: ``self.params`` (or a same-shaped tree), traced.
           tokens: int32 ``[b, t]``; row ``b``'s real tokens are its first
             ``step.query_lengths[b]`` (padding ids are ignored).
-          step: positions / lengths of this step (see :class:`paxkv.step_info.StepInfo`).
-          cache: a :class:`paxkv.protocol.KVCache`, traced.
+          step: positions / lengths of this step (see :class:`paxkv.core.step_info.StepInfo`).
+          cache: a :class:`paxkv.core.protocol.KVCache`, traced.
           all_logits: static; ``True`` -> ``[b, t, vocab]``, else ``[b, vocab]`` at each row's
             last real token (the vocab matmul runs only there).
 

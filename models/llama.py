@@ -10,7 +10,7 @@ Every layer hands its RoPE'd q/k and its v to the cache protocol::
 
 with ``q [b, t, num_heads, head_dim]``, ``k, v [b, t, num_kv_heads, head_dim]`` and
 ``layer_index`` the int32 scan counter, so the model never knows how (or whether) KV is stored
-(:class:`paxkv.protocol.KVCache`); the step's attention plan rides on ``step``.
+(:class:`paxkv.core.protocol.KVCache`); the step's attention plan rides on ``step``.
 
 Params (what the loaders build; ``L`` layers, ``D`` hidden, ``H``/``K`` q/kv heads, ``Dh`` head dim,
 ``F`` FFN width, ``V`` vocab)::
@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from .config import LlamaConfig
-from paxkv.step_info import StepInfo
+from paxkv.core.step_info import StepInfo
 
-Cache = Any  # a paxkv.protocol.KVCache (or the cache-less paxkv.full_attention.NoCache)
+Cache = Any  # a paxkv.core.protocol.KVCache (or the cache-less paxkv.cache.full.NoCache)
 
 
 class RMSNorm(nn.Module):

@@ -18,7 +18,7 @@ from jax import lax
 
 from pallas_kernels import _interpret
 from pallas_kernels._tiles import KVTiles
-from paxkv import quant
+from pallas_kernels import quant
 
 _DEAD_POSITION = 2**30  # key position of a dead SMEM row: never visible, never live
 

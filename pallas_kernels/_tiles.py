@@ -6,7 +6,7 @@ the walk's static shape; ``_stream.py`` its in-kernel steps; the kernels their g
 and outputs.
 
 Pages hold floats, or **8-bit codes** (int8; float8_e4m3fn as its bits, uint8) with float32
-scales ``[layers, num_pages, kv_heads, 2, page_size]`` (:class:`paxkv.pool.KVPool`, K scales at
+scales ``[layers, num_pages, kv_heads, 2, page_size]`` (:class:`paxkv.cache.pool.KVPool`, K scales at
 index 0, V at 1). Codes are dequantised after the load: the scores of a block are scaled by the
 K scales, the softmax weights by the V scales (zero at dead keys, so NaN in free slots or
 poisoned scales never reaches an output).
@@ -39,7 +39,7 @@ from typing import Any
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from paxkv import quant
+from pallas_kernels import quant
 
 SMEM_BUDGET_BYTES = 200 * 1024  # H100/H200 allow 227 KiB per block; keep headroom
 ROW_ALIGN = 64  # rows of a WGMMA-layout register tile
@@ -145,7 +145,7 @@ def pool_operands(k_pages, v_pages, scales, layer):
         want = k_pages.shape[:-2] + (2, k_pages.shape[-2])
         if scales.shape != want or scales.dtype != jnp.float32:
             raise ValueError(f"scales must be float32 {list(want)} ([..., kv_heads, K|V,"
-                             f" page_size], as paxkv.pool.KVPool.scales); got"
+                             f" page_size], as paxkv.cache.pool.KVPool.scales); got"
                              f" {scales.dtype}{list(scales.shape)}")
         kv = (k_pages, v_pages, scales.reshape(want[:-2] + (-1,)))
     if layer is None:
@@ -198,7 +198,7 @@ def geometry_refusal(page_size: int, head_dim: int, itemsize: int, *,
     """Why the kernels cannot stream pages of ``page_size`` tokens x ``head_dim`` elements of
     ``itemsize`` bytes (``scaled``: 8-bit codes with scales), or None when they can. One rule
     for :func:`validate_kv` and for ``attention_impl="auto"``
-    (:func:`paxkv.paged_cache.resolve_impl`), which falls back to XLA instead of failing."""
+    (:func:`paxkv.cache.paged.resolve_impl`), which falls back to XLA instead of failing."""
     if page_size % 8:
         return f"page_size={page_size} must be a multiple of 8 (SMEM row tiling)"
     if scaled and page_size % 16:

@@ -16,8 +16,8 @@ scanning over layers writes into the carried pool without slicing a layer out of
 
 Scaled 8-bit pools (int8 / fp8 codes with float32 scales) are not written here: one token's
 codes per kv head are ``head_dim`` bytes (64 at head_dim 64) and its scales 4 bytes, under the
-128 bytes every Mosaic GPU copy must move, so ``paxkv.paged_cache`` writes them with XLA's
-quantise-and-scatter (:func:`paxkv.pool.write`, in place when donated) and the attention
+128 bytes every Mosaic GPU copy must move, so ``paxkv.cache.paged`` writes them with XLA's
+quantise-and-scatter (:func:`paxkv.cache.pool.write`, in place when donated) and the attention
 kernels read what it leaves.
 
 Layers: kernel bodies -> call builders -> public jitted wrappers -> references (oracles).
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _interpret
-from paxkv import quant
-from paxkv.kv_storage import to_storage
+from pallas_kernels import quant
+from pallas_kernels.kv_storage import to_storage
 
 # ---------------------------------------------------------------- layer 1: kernel bodies
 
@@ -112,7 +112,7 @@ def _validate_pages(k_pages, v_pages, *, pool: bool = False) -> None:
                          f"{list(k_pages.shape)} and {v_pages.dtype}{list(v_pages.shape)}")
     if quant.is_scaled(k_pages.dtype):
         raise ValueError(f"{k_pages.dtype} pages hold 8-bit codes with scales: write them with"
-                         " paxkv.pool.write (quantise + XLA scatter; module docstring)")
+                         " paxkv.cache.pool.write (quantise + XLA scatter; module docstring)")
     if (k_pages.shape[-1] * k_pages.dtype.itemsize) % 128:
         raise ValueError(f"head_dim={k_pages.shape[-1]} rows must be a multiple of 128 bytes"
                          " (whole TMA rows): use head_dim 64 or 128")
@@ -131,7 +131,7 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_pages, slot_offsets, *, layer=
       k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]`` (donated), or with
         ``layer`` the whole pool ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]``.
       k_new, v_new: ``[batch, t, num_kv_heads, head_dim]`` (stored in the pages' dtype:
-        :func:`paxkv.kv_storage.to_storage`).
+        :func:`pallas_kernels.kv_storage.to_storage`).
       slot_pages, slot_offsets: int32 ``[batch, t]``; every in-pool slot named at most once.
       layer: int32 scalar: the layer of a 5-D pool to write (outside the pool: nothing is
         written); None for 4-D pages.

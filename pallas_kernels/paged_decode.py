@@ -199,7 +199,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         (then in ``q.dtype``), or 8-bit codes (int8; float8_e4m3fn as uint8 bits) with scales.
       block_tables: int32 ``[batch, max_pages_per_seq]``; lengths: int32 ``[batch]``.
       scales: float32 ``[(num_layers,) num_pages, num_kv_heads, 2, page_size]`` for 8-bit
-        pages (K scales at index 0, V at 1: :class:`paxkv.pool.KVPool`), else None.
+        pages (K scales at index 0, V at 1: :class:`paxkv.cache.pool.KVPool`), else None.
       layer: int32 scalar (traced; clipped into the pool): the layer of a 5-D pool to read,
         so that no ``pool[layer]`` copy is made; None for 4-D pages.
       sm_scale: defaults to ``head_dim ** -0.5``; logit_soft_cap: ``cap * tanh(s / cap)``.

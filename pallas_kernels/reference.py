@@ -1,11 +1,12 @@
-"""Plain-jnp paged attention: the oracle for every Pallas kernel.
+"""Plain-jnp paged attention: the oracle for every Pallas kernel, written to stand alone.
 
 The kernels' argument order (``q, k_pages, v_pages, block_tables, lengths``) over one layer's
-pages ``[num_pages, num_kv_heads, page_size, head_dim]``; each reference gathers the pages and
-runs :func:`paxkv.attention.blocks.attend_blocks`, the maths every paxkv path shares. 8-bit
-pages (int8 codes, fp8 as uint8 bits) are dequantised right at the gather with their
-``scales`` ``[num_pages, num_kv_heads, 2, page_size]``, as the XLA path reads a scaled pool
-(:func:`paxkv.kv_storage.read_pages`).
+pages ``[num_pages, num_kv_heads, page_size, head_dim]``. Each reference does the textbook
+thing and nothing clever: gather a row's pages into one contiguous ``[max_len]`` key axis,
+decode the stored format (:func:`pallas_kernels.kv_storage.readable`: bfloat16 bits, 8-bit
+codes x their ``scales`` ``[num_pages, num_kv_heads, 2, page_size]``), then one masked float32
+softmax per query. It shares no code with paxkv's XLA attention path, so a test of either
+against it checks the maths, not a shared helper.
 """
 
 from __future__ import annotations
@@ -13,17 +14,59 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paxkv.attention.blocks import attend_blocks, default_sm_scale, gather_pages
-from paxkv.kv_storage import read_pages
+from pallas_kernels.kv_storage import readable
+
+
+def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
+    """The softmax scale a kernel uses: ``sm_scale``, or ``head_dim ** -0.5`` when None."""
+    return head_dim ** -0.5 if sm_scale is None else float(sm_scale)
 
 
 def gather_kv(k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
               scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """K and V pages of every row, ``[batch, max_pages, num_kv_heads, page_size, head_dim]``
-    each: as stored, or float32 codes x scales for 8-bit pages."""
-    if scales is None:
-        return gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables)
-    return read_pages(k_pages, v_pages, scales, block_tables, gather_pages)
+    """Every row's keys and values as float32 ``[batch, num_kv_heads, max_len, head_dim]``,
+    ``max_len = max_pages_per_seq * page_size`` (padding entries read whatever they point at;
+    the softmax masks them)."""
+    def one(pages: jax.Array, which: int) -> jax.Array:
+        got = jnp.take(pages, block_tables, axis=0, mode="clip")  # [b, m, k, s, d]
+        scale = None
+        if scales is not None:
+            scale = jnp.take(scales, block_tables, axis=0, mode="clip")[:, :, :, which]
+        x = readable(got, scale).astype(jnp.float32)
+        b, m, k, s, d = x.shape
+        return x.transpose(0, 2, 1, 3, 4).reshape(b, k, m * s, d)
+    return one(k_pages, 0), one(v_pages, 1)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+            lengths: jax.Array, sm_scale: float, logit_soft_cap: float | None) -> jax.Array:
+    """q ``[b, t, H, d]``, k / v ``[b, K, L, d]``, q_positions int32 ``[b, t]`` (-1: padding
+    query), lengths ``[b]`` -> ``[b, t, H, d]`` in ``q.dtype``; zero where nothing is seen."""
+    b, t, heads, d = q.shape
+    group = heads // k.shape[1]
+    k = jnp.repeat(k, group, axis=1)  # [b, H, L, d]: query head h reads kv head h // group
+    v = jnp.repeat(v, group, axis=1)
+    s = jnp.einsum("bthd,bhld->bhtl", q.astype(jnp.float32), k) * sm_scale
+    if logit_soft_cap is not None:
+        s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+    key = jnp.arange(k.shape[2])
+    live = key[None, :] < lengths[:, None]  # [b, L]
+    seen = (live[:, None, :] & (key[None, None, :] <= q_positions[:, :, None])
+            & (q_positions[:, :, None] >= 0))  # [b, t, L]
+    s = jnp.where(seen[:, None], s, -jnp.inf)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(total > 0, total, 1.0)
+    v = jnp.where(live[:, None, :, None], v, 0.0)  # NaN in a dead slot: 0 * NaN is still NaN
+    return jnp.einsum("bhtl,bhld->bthd", p, v).astype(q.dtype)
+
+
+def _query_positions(q_len: int, lengths: jax.Array, query_lengths: jax.Array) -> jax.Array:
+    """Row ``b``'s queries are its last ``query_lengths[b]`` tokens; the rest are padding."""
+    t = jnp.arange(q_len)[None, :]
+    pos = lengths[:, None] - query_lengths[:, None] + t
+    return jnp.where(t < query_lengths[:, None], pos, -1)
 
 
 def paged_prefill_attention_reference(
@@ -53,12 +96,9 @@ def paged_prefill_attention_reference(
     Returns:
       ``[batch, max_q_len, num_q_heads, head_dim]``; queries ``t >= query_lengths[b]`` are zero.
     """
-    t = jnp.arange(q.shape[1])[None, :]
-    q_positions = lengths[:, None] - query_lengths[:, None] + t
-    q_positions = jnp.where(t < query_lengths[:, None], q_positions, -1)
-    return attend_blocks(
-        q, *gather_kv(k_pages, v_pages, block_tables, scales), q_positions, lengths,
-        sm_scale=default_sm_scale(q.shape[-1], sm_scale), logit_soft_cap=logit_soft_cap)
+    k, v = gather_kv(k_pages, v_pages, block_tables, scales)
+    return _attend(q, k, v, _query_positions(q.shape[1], lengths, query_lengths), lengths,
+                   default_sm_scale(q.shape[-1], sm_scale), logit_soft_cap)
 
 
 def paged_decode_attention_reference(
@@ -98,13 +138,12 @@ def dense_attention_reference(
     query_lengths: jax.Array,
     *,
     sm_scale: float | None = None,
+    logit_soft_cap: float | None = None,
 ) -> jax.Array:
     """The dense twin: ``k``/``v`` ``[batch, num_kv_heads, max_len, head_dim]`` per sequence.
 
     Same query convention as :func:`paged_prefill_attention_reference`; no gather at all.
     """
-    t = jnp.arange(q.shape[1])[None, :]
-    q_positions = lengths[:, None] - query_lengths[:, None] + t
-    q_positions = jnp.where(t < query_lengths[:, None], q_positions, -1)
-    return attend_blocks(q, k[:, None], v[:, None], q_positions, lengths,
-                         sm_scale=default_sm_scale(q.shape[-1], sm_scale))
+    return _attend(q, k.astype(jnp.float32), v.astype(jnp.float32),
+                   _query_positions(q.shape[1], lengths, query_lengths), lengths,
+                   default_sm_scale(q.shape[-1], sm_scale), logit_soft_cap)

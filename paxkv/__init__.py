@@ -1,34 +1,49 @@
 """paxkv: PagedAttention and KV-cache management for JAX.
 
-The pieces, in the order data flows through them:
+The parts, one subpackage each, lowest first; each imports only the layers below it
+(``tests/test_layout.py`` reads the imports and holds this order):
 
-* :mod:`paxkv.protocol` — what a cache (:class:`KVCache`) and a model (:class:`Model`) provide.
-* :mod:`paxkv.page_table` — block tables, lengths, ref counts; pure ``reserve`` / ``release`` /
-  ``fork`` / ``copy_on_write`` / ``stats`` that return a new table and a status.
-* :mod:`paxkv.pool` — the fixed K/V page arrays of every layer.
-* :mod:`paxkv.paged_cache` / :mod:`paxkv.dense_cache` — the two caches behind one protocol.
-* :mod:`paxkv.steps` — jitted, donated prefill / decode steps and the compiled decode loop.
-* :mod:`paxkv.engine` / :func:`paxkv.generate` — continuous batching for research loops, built
-  from :mod:`paxkv.requests`, :mod:`paxkv.rows`, :mod:`paxkv.cache_ops`,
-  :mod:`paxkv.lifecycle`, :mod:`paxkv.scheduler`, :mod:`paxkv.policy`,
-  :mod:`paxkv.prefix_sharing` and :mod:`paxkv.accounting`.
-* :mod:`paxkv.prefix_cache` — chained-hash index of cached pages; the engine shares pages through
-  it, through ``n`` samples and through :meth:`paxkv.Engine.fork` (trees of thought).
+* :mod:`pallas_kernels` (beside this package) — the Mosaic GPU kernels, their standalone jnp
+  references, and the K/V storage format both sides share (``quant``, ``kv_storage``).
+* :mod:`paxkv.core` — the protocols (:class:`KVCache`, :class:`Model`), :class:`StepInfo`, the
+  :class:`AttentionPlan`, the rounding rules, sampling and the jitted donated steps.
+* :mod:`paxkv.table` — the page table and its pure operations (the heart).
+* :mod:`paxkv.attention` — the XLA attention maths.
+* :mod:`paxkv.cache` — the pool and the paged, dense and cache-less caches.
+* :mod:`paxkv.models` — the Llama-family decoder and its loaders (imports only the core).
+* :mod:`paxkv.scale` — the ``("data", "model")`` mesh, the sharded cache, tensor parallel,
+  several processes.
+* :mod:`paxkv.prefix` — the prefix index and its holds on pages.
+* :mod:`paxkv.engine` — continuous batching: requests, scheduling policy, lifecycle.
+* :mod:`paxkv.decoding`, :mod:`paxkv.scoring` — the front ends: ``generate``, beam search,
+  the compiled loop; log-likelihoods.
+* :mod:`paxkv.harness` — the lm-evaluation-harness backend (imported on its own).
+
+The names below are the public API; the module names bound here (``paged_cache``,
+``page_table``, ``steps``, ``mesh``, ...) keep ``from paxkv import paged_cache`` working.
 """
 
-from paxkv import dense_cache, page_table, paged_cache, policy, pool, prefix_cache, steps
-from paxkv.attention.plan import AttentionPlan
-from paxkv.beam_search import Beam, beam_search
-from paxkv.dense_cache import DenseCache
+from paxkv.cache import dense as dense_cache
+from paxkv.cache import paged as paged_cache
+from paxkv.cache import pool
+from paxkv.cache.dense import DenseCache
+from paxkv.cache.paged import PagedCache
+from paxkv.cache.pool import KVPool
+from paxkv.core import steps
+from paxkv.core.plan import AttentionPlan
+from paxkv.core.protocol import KVCache, Model
+from paxkv.core.sampling import SamplingParams
+from paxkv.core.step_info import StepInfo
+from paxkv.decoding.beam_search import Beam, beam_search
+from paxkv.decoding.generate import generate
+from paxkv.engine import policy
+from paxkv.engine import routing as shard_routing
 from paxkv.engine import Engine, EngineStats, GenerationResult, SequenceStats, StepOutput
-from paxkv.generate import generate
-from paxkv.paged_cache import PagedCache
-from paxkv.page_table import PageTable, PoolUpdate, SharingStats, TableStats
-from paxkv.pool import KVPool
-from paxkv.prefix_cache import PrefixIndex
-from paxkv.protocol import KVCache, Model
-from paxkv.sampling import SamplingParams
-from paxkv.step_info import StepInfo
+from paxkv.prefix import index as prefix_cache
+from paxkv.prefix.index import PrefixIndex
+from paxkv.scale import distributed, mesh, sharded_cache, tensor_parallel
+from paxkv.table import page_table
+from paxkv.table.page_table import PageTable, PoolUpdate, SharingStats, TableStats
 
 __all__ = [
     "AttentionPlan", "Beam", "DenseCache", "Engine", "EngineStats", "GenerationResult",

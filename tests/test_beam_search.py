@@ -20,9 +20,9 @@ import pytest
 
 from paxkv import models
 import paxkv
-from paxkv import paged_cache
-from paxkv.buckets import prefix_bucket
-from paxkv.beam_search import Beam, SearchResult, _stale, search
+from paxkv.cache import paged as paged_cache
+from paxkv.core.buckets import prefix_bucket
+from paxkv.decoding.beam_search import Beam, SearchResult, _stale, search
 
 WIDTH, NEW = 4, 16
 CHAT = ["What is the capital of France? Answer in one word.",  # ends after a few tokens

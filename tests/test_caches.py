@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference as ref
-from paxkv.kv_storage import readable
-from paxkv import dense_cache, paged_cache, quant
-from paxkv.full_attention import NoCache
-from paxkv.attention.plan import AttentionPlan
-from paxkv.step_info import StepInfo
+from pallas_kernels.kv_storage import readable
+from paxkv.cache import dense as dense_cache
+from paxkv.cache import paged as paged_cache
+from pallas_kernels import quant
+from paxkv.cache.full import NoCache
+from paxkv.core.plan import AttentionPlan
+from paxkv.core.step_info import StepInfo
 
 PAGE_SIZE = 4
 MAX_LEN = 24  # 6 pages per row
@@ -290,7 +292,7 @@ def test_eager_and_jitted_cache_ops_agree(kind):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
 def test_caches_report_their_sizes_through_the_protocol(dtype):
-    """``total_pages`` and the byte counts are part of :class:`paxkv.protocol.KVCache` (the
+    """``total_pages`` and the byte counts are part of :class:`paxkv.core.protocol.KVCache` (the
     engine's accounting reads nothing else): a paged page and a dense row hold the same bytes
     per token, 8-bit scales included, and the whole cache is on one device."""
     sizes = dict(num_layers=NUM_LAYERS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)

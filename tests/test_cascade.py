@@ -17,12 +17,12 @@ import pytest
 
 import paxkv
 from paxkv.attention import blocks, chunked, partials
-from paxkv import paged_cache
-from paxkv import buckets
-from paxkv.attention import paged_xla
-from paxkv.attention import plan as attention_plan
-from paxkv.attention.plan import AttentionPlan
-from paxkv.step_info import StepInfo
+from paxkv.cache import paged as paged_cache
+from paxkv.core import buckets
+from paxkv.cache import paged_xla
+from paxkv.core import plan as attention_plan
+from paxkv.core.plan import AttentionPlan
+from paxkv.core.step_info import StepInfo
 
 # Scores of std ~3.6 (queries at scale 3, head_dim 16, sm_scale 0.3): a soft-cap of 5 bends
 # most of them, so ignoring it cannot pass.

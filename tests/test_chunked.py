@@ -13,9 +13,9 @@ import pytest
 from paxkv.attention import chunked, partials, query_tiles
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       paged_prefill_attention_reference)
-from paxkv import paged_cache
-from paxkv.attention.plan import AttentionPlan
-from paxkv.step_info import StepInfo
+from paxkv.cache import paged as paged_cache
+from paxkv.core.plan import AttentionPlan
+from paxkv.core.step_info import StepInfo
 
 
 def _rel_err(out: np.ndarray, want: np.ndarray) -> float:
@@ -271,7 +271,7 @@ def test_cache_uses_the_hinted_list_only_when_it_covers_the_rows(monkeypatch):
 @pytest.mark.parametrize("kind", ["paged", "dense"])
 def test_one_wide_pass_off_cpu_equals_the_tiles(monkeypatch, kind):
     """Off a CPU (``tiles_pay()`` False) both caches attend in one pass; same outputs."""
-    from paxkv import dense_cache  # noqa: PLC0415
+    from paxkv.cache import dense as dense_cache  # noqa: PLC0415
 
     def run() -> list[np.ndarray]:
         dims = dict(num_layers=1, num_kv_heads=2, head_dim=8, max_seqs=3, max_len=64)

@@ -30,7 +30,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 import paxkv
-from paxkv import steps
+from paxkv.core import steps
 from tiny import tiny_lm
 
 MAX_SEQS, MAX_LEN, PAGE_SIZE, NUM_PAGES = 6, 48, 4, 26

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import paxkv
-from paxkv import paged_cache
-from paxkv.full_attention import NoCache
-from paxkv.step_info import StepInfo
+from paxkv.cache import paged as paged_cache
+from paxkv.cache.full import NoCache
+from paxkv.core.step_info import StepInfo
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -112,7 +112,7 @@ def test_paged_equals_dense_equals_full_forward(lm, prompts):
                 max_seqs=1, max_len=64)
     paged = _decode_logits(lm, paged_cache.create(num_pages=8, page_size=8, fill=jnp.nan,
                                                   scrub=False, **dims), prompt, new)
-    dense = _decode_logits(lm, paxkv.dense_cache.create(fill=jnp.nan, **dims), prompt, new)
+    dense = _decode_logits(lm, paxkv.cache.dense.create(fill=jnp.nan, **dims), prompt, new)
     seq = prompt + new
     step = StepInfo.make(jnp.array([len(seq)]), jnp.array([len(seq)]), len(seq))
     full, _ = jax.jit(lm.forward, static_argnames="all_logits")(
@@ -130,7 +130,7 @@ def test_exhaustion_queues_and_preempts(lm, prompts):
     # preemption; projecting the growth (the default) admits fewer and preempts less.
     tight, engine = run_engine(lm, prompts[:6], max_new_tokens=24, max_seqs=6, page_size=8,
                                num_pages=24, prefix_cache=False,
-                               growth=paxkv.policy.Growth(start=0.0, floor=0.0))
+                               growth=paxkv.engine.policy.Growth(start=0.0, floor=0.0))
     assert [r.token_ids for r in tight] == [r.token_ids for r in roomy]
     assert engine.stats().preemptions > 0
     assert engine.stats().peak_running < 6
@@ -159,7 +159,7 @@ def test_cancel_frees_pages_at_once_and_spares_others(lm, prompts):
     engine.step()
     engine.step()
     before = int(engine.cache.free_pages())
-    held = int(paxkv.page_table.stats(engine.cache.table).used_pages)
+    held = int(paxkv.table.page_table.stats(engine.cache.table).used_pages)
     victim_len = len(prompts[1]) + 2
     engine.cancel(ids[1])
     after = int(engine.cache.free_pages())

@@ -20,11 +20,14 @@ import numpy as np
 import pytest
 
 import paxkv
-from paxkv import dense_cache, kv_storage, paged_cache, quant
-from paxkv import pool as kv_pool
+from paxkv.cache import dense as dense_cache
+from pallas_kernels import kv_storage
+from paxkv.cache import paged as paged_cache
+from pallas_kernels import quant
+from paxkv.cache import pool as kv_pool
 from paxkv.attention import chunked
-from paxkv.attention.plan import AttentionPlan
-from paxkv.step_info import StepInfo
+from paxkv.core.plan import AttentionPlan
+from paxkv.core.step_info import StepInfo
 from tiny import tiny_lm
 
 FORMATS = [quant.INT8, quant.FLOAT8]
@@ -300,7 +303,7 @@ def test_the_kv_dtype_experiment_measures_every_dtype_on_a_tiny_model():
 def test_beam_search_takes_int8_kv():
     """Beam search over int8 pages: paged equals the dense twin (both int8), every page free
     at the end (``search`` checks it), and the beams hold as many tokens as asked."""
-    from paxkv.beam_search import search
+    from paxkv.decoding.beam_search import search
 
     lm = tiny_lm(scale=1.0)
     runs = {cache: search(lm, [[5, 9, 17, 3, 250, 8], [1, 2]], beam_width=3, max_new_tokens=6,

@@ -1,4 +1,4 @@
-"""bfloat16 K/V stored as bits on a CPU (paxkv.kv_storage).
+"""bfloat16 K/V stored as bits on a CPU (pallas_kernels.kv_storage).
 
 The oracle is a float32 twin of the same cache holding the same values (the bits widened),
 fed K/V already rounded to bfloat16: the bits cache must store the same values and give the
@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv import kv_storage
-from paxkv import dense_cache, paged_cache
-from paxkv import pool as kv_pool
-from paxkv.attention.plan import AttentionPlan
-from paxkv.step_info import StepInfo
+from pallas_kernels import kv_storage
+from paxkv.cache import dense as dense_cache
+from paxkv.cache import paged as paged_cache
+from paxkv.cache import pool as kv_pool
+from paxkv.core.plan import AttentionPlan
+from paxkv.core.step_info import StepInfo
 from tests.test_caches import _kv_buffers
 
 BF16, BITS = jnp.dtype(jnp.bfloat16), kv_storage.BFLOAT16_BITS

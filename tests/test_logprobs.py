@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import paxkv
-from paxkv import steps
+from paxkv.core import steps
 from tiny import full_logits, tiny_lm
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 1, 42], [8, 8, 9], list(range(30, 70)), [200] * 5]

@@ -1,4 +1,4 @@
-"""The paged cache over a data-axis mesh (:mod:`paxkv.sharded_cache`) on forced CPU devices.
+"""The paged cache over a data-axis mesh (:mod:`paxkv.scale.sharded_cache`) on forced CPU devices.
 
 ``JAX_NUM_CPU_DEVICES`` must be set before JAX starts, so every check runs in a subprocess of
 its own (``python -c`` importing this file and calling one ``worker_*`` function, which prints
@@ -80,7 +80,7 @@ def shard_problems(cache, held: list[list[int]] | None = None) -> list[str]:
     the pages each shard's prefix index holds (one reference each, counted in)."""
     import jax  # noqa: PLC0415
 
-    from paxkv import mesh as pmesh  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh  # noqa: PLC0415
 
     t = jax.device_get(cache.tables)
     pps, out = t.num_pages, []
@@ -150,7 +150,9 @@ def worker_engine(datas: list[int]) -> dict:
     """Greedy tokens of the workload: single-device paged, then sharded on each data axis
     with the :data:`TIGHT` pool (NaN-filled: a stray read would poison the tokens)."""
     _start()
-    from paxkv import mesh as pmesh, paged_cache, sharded_cache  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh
+    from paxkv.cache import paged as paged_cache
+    from paxkv.scale import sharded_cache  # noqa: PLC0415
     from tiny import tiny_lm  # noqa: PLC0415
 
     lm = tiny_lm(scale=1.0)
@@ -270,7 +272,7 @@ def _tables_filled(mesh, dims: dict):
     """A sharded cache with rows 0, 1, 2, 5 holding 5, 9, 4, 13 tokens."""
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from paxkv import sharded_cache  # noqa: PLC0415
+    from paxkv.scale import sharded_cache  # noqa: PLC0415
 
     cache = sharded_cache.create(mesh=mesh, **dims)
     num_new = jnp.zeros((cache.max_seqs,), jnp.int32).at[jnp.array([0, 1, 2, 5])].set(
@@ -287,7 +289,7 @@ def worker_ops() -> dict:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from paxkv import mesh as pmesh  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh  # noqa: PLC0415
 
     mesh = pmesh.make_mesh(8)
     dims = dict(num_layers=2, num_kv_heads=1, head_dim=16, num_pages=64, page_size=PAGE_SIZE,
@@ -325,13 +327,13 @@ def worker_ops() -> dict:
 
 
 def _holds(cache) -> dict:
-    """The prefix cache's holds on a data-8 mesh (:mod:`paxkv.page_holds`): row 5's 4 pages
+    """The prefix cache's holds on a data-8 mesh (:mod:`paxkv.prefix.holds`): row 5's 4 pages
     (shard 2; more pages than a shard has rows, which a width read off the stacked table's
     rows axis could not hold) kept by an index hold past the row's release, attached to row 4
     of the same shard, then to row 6 of shard 3, where those ids name free pages (refused)."""
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from paxkv import page_holds  # noqa: PLC0415
+    from paxkv.prefix import holds as page_holds  # noqa: PLC0415
 
     pages = page_holds.block_tables(cache)[5, :4].tolist()
     held = [[], [], pages] + [[]] * 5
@@ -368,7 +370,7 @@ def _scores(mesh) -> dict:
 def _beams(mesh) -> dict:
     """Three prompts' beam search on one device and on ``mesh`` (padded to four prompts, two
     a shard): beams, scores and the pool's accounting."""
-    from paxkv.beam_search import search  # noqa: PLC0415
+    from paxkv.decoding.beam_search import search  # noqa: PLC0415
     from tiny import tiny_lm  # noqa: PLC0415
 
     lm, out = tiny_lm(scale=1.0), {}
@@ -388,7 +390,11 @@ def _donation(mesh, dims: dict) -> dict:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from paxkv import mesh as pmesh, sharded_cache, steps  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh
+
+    from paxkv.scale import sharded_cache
+
+    from paxkv.core import steps  # noqa: PLC0415
     from tiny import tiny_lm  # noqa: PLC0415
 
     lm = tiny_lm(scale=1.0)
@@ -415,7 +421,8 @@ def _donation(mesh, dims: dict) -> dict:
 def worker_errors() -> dict:
     """The messages of meshes and sizes that do not fit."""
     _start()
-    from paxkv import mesh as pmesh, sharded_cache  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh
+    from paxkv.scale import sharded_cache  # noqa: PLC0415
 
     dims = dict(num_layers=1, head_dim=8, page_size=4, max_len=16)
     cases = {"model": dict(mesh=pmesh.make_mesh(4, 2), num_pages=8, max_seqs=4,
@@ -423,7 +430,7 @@ def worker_errors() -> dict:
              "max_seqs": dict(mesh=pmesh.make_mesh(4), num_pages=8, max_seqs=6),
              "num_pages": dict(mesh=pmesh.make_mesh(4), num_pages=10, max_seqs=4),
              "axes": dict(mesh="not a mesh", num_pages=8, max_seqs=4)}
-    from paxkv.protocol import KVCache  # noqa: PLC0415
+    from paxkv.core.protocol import KVCache  # noqa: PLC0415
 
     cache = sharded_cache.create(mesh=pmesh.make_mesh(2), num_pages=8, max_seqs=4,
                                  num_kv_heads=1, **dims)
@@ -441,7 +448,7 @@ def worker_errors() -> dict:
 def _engine_errors() -> dict:
     """What ``paxkv.Engine(mesh=...)`` says to sizes and options that do not fit a mesh."""
     import paxkv  # noqa: PLC0415
-    from paxkv import mesh as pmesh  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh  # noqa: PLC0415
     from tiny import tiny_lm  # noqa: PLC0415
 
     lm, mesh, out = tiny_lm(scale=1.0), pmesh.make_mesh(4), {}
@@ -573,5 +580,5 @@ def test_mesh_and_size_errors_name_the_fix():
     assert "num_pages=28 or 32" in engine["num_pages"]
     assert "cache='paged'" in engine["dense"]
     assert engine["prefix"] == "no error"  # one prefix index per shard
-    # the engine-facing num_pages is one shard's (module docstring of paxkv.sharded_cache)
+    # the engine-facing num_pages is one shard's (module docstring of paxkv.scale.sharded_cache)
     assert found["is_kv_cache"] and found["sizes"] == [4, 4, 8, 16, 4]

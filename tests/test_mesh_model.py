@@ -39,10 +39,10 @@ def tiny_tp_lm():
     import jax.numpy as jnp  # noqa: PLC0415
 
     from paxkv import models  # noqa: PLC0415
-    from paxkv.full_attention import NoCache  # noqa: PLC0415
+    from paxkv.cache.full import NoCache  # noqa: PLC0415
     from paxkv.models.config import LlamaConfig  # noqa: PLC0415
     from paxkv.models.llama import Llama  # noqa: PLC0415
-    from paxkv.step_info import StepInfo  # noqa: PLC0415
+    from paxkv.core.step_info import StepInfo  # noqa: PLC0415
     from tiny import Bytes  # noqa: PLC0415
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -63,7 +63,7 @@ def _dims(lm, max_seqs: int = 16, max_len: int = 24) -> dict:
 def _fixed_batch(lm, cache, workload) -> list[list[int]]:
     """The workload as one batch through the compiled decode loop (``loop="jit"``)."""
     import paxkv  # noqa: PLC0415
-    from paxkv.compiled_loop import run_fixed_batch  # noqa: PLC0415
+    from paxkv.decoding.compiled_loop import run_fixed_batch  # noqa: PLC0415
 
     engine = paxkv.Engine(lm, cache=cache, prefix_cache=False)
     ids = [engine.submit(p, max_new_tokens=n, stop_token_ids=()) for p, n in workload]
@@ -88,8 +88,12 @@ def _on_meshes(lm, meshes: list[list[int]]) -> dict:
     (per-step shard checks), the fixed batch on a roomy one."""
     import jax  # noqa: PLC0415
 
-    from paxkv import mesh as pmesh, paged_cache, sharded_cache  # noqa: PLC0415
-    from paxkv import tensor_parallel  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh
+
+    from paxkv.cache import paged as paged_cache
+
+    from paxkv.scale import sharded_cache  # noqa: PLC0415
+    from paxkv.scale import tensor_parallel  # noqa: PLC0415
 
     dims, work = _dims(lm), _workload()
     out = {"ref": _engine_run(lm, paged_cache.create(num_pages=REF_PAGES, **dims), False),
@@ -167,7 +171,13 @@ def worker_hlo(meshes: list[list[int]]) -> dict:
     _start()
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from paxkv import mesh as pmesh, sharded_cache, steps, tensor_parallel  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh
+
+    from paxkv.scale import sharded_cache
+
+    from paxkv.core import steps
+
+    from paxkv.scale import tensor_parallel  # noqa: PLC0415
 
     lm, out = tiny_tp_lm(), {}
     for data, model in meshes:
@@ -194,7 +204,9 @@ def worker_hlo(meshes: list[list[int]]) -> dict:
 def worker_errors() -> dict:
     """Messages for a Pallas cache on a model axis and for weights that do not split."""
     _start()
-    from paxkv import mesh as pmesh, sharded_cache, tensor_parallel  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh
+    from paxkv.scale import sharded_cache
+    from paxkv.scale import tensor_parallel  # noqa: PLC0415
 
     out = {}
     lm = tiny_tp_lm()
@@ -294,7 +306,7 @@ def test_model_axis_errors_name_the_fix():
 def test_pick_row_takes_the_least_loaded_shard():
     """Equal shards fill round-robin as requests queue tokens; a shard without a free row or
     with its pages promised to queued tokens is passed over; ties go to more free rows."""
-    from paxkv.shard_routing import pick_row  # noqa: PLC0415 - numpy only, no devices
+    from paxkv.engine.routing import pick_row  # noqa: PLC0415 - numpy only, no devices
 
     free, queued, rows = [4, 4, 4, 4], [0, 0, 0, 0], list(range(8))  # 2 rows a shard
     picked = []

@@ -20,8 +20,8 @@ from paxkv import models
 import oracle
 from paxkv.models.gguf_loader import SUPPORTED_TYPES
 from paxkv.models.llama import Llama
-from paxkv.full_attention import NoCache
-from paxkv.step_info import StepInfo
+from paxkv.cache.full import NoCache
+from paxkv.core.step_info import StepInfo
 
 TOL = 1e-4
 PROMPT_TEXTS = [

@@ -1,4 +1,4 @@
-"""The sharded cache across processes (:mod:`paxkv.distributed`, :mod:`paxkv.launch`).
+"""The sharded cache across processes (:mod:`paxkv.scale.distributed`, :mod:`paxkv.scale.launch`).
 
 ``experiments/multiprocess.py``'s decode loop and its Engine run on the tiny random Llama
 run twice in subprocesses, one after the other: as 2 processes x 4 forced CPU devices
@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from paxkv import launch
+from paxkv.scale import launch
 
 # Forced CPU devices in subprocesses: `make test` runs these, `make test-fast` not.
 pytestmark = pytest.mark.devices
@@ -49,7 +49,7 @@ def _loop(tmp: pathlib.Path, name: str, prefix: list[str], env: dict[str, str]) 
 def test_two_processes_give_one_process_tokens(tmp_path):
     py = [sys.executable]
     start = time.perf_counter()
-    two = _loop(tmp_path, "two", [*py, "-m", "paxkv.launch", "--processes", "2", "--devices",
+    two = _loop(tmp_path, "two", [*py, "-m", "paxkv.scale.launch", "--processes", "2", "--devices",
                                   "4", "--timeout", str(DEADLINE_S), "--"], NO_SHARED_COMPILES)
     one = _loop(tmp_path, "one", [*py, "-m"], dict(JAX_NUM_CPU_DEVICES="8",
                                                    JAX_PLATFORMS="cpu"))
@@ -101,7 +101,7 @@ def test_launcher_stops_the_others_when_one_fails_or_time_runs_out(tmp_path, cap
     code = launch.launch([str(script), "1", str(marks)], processes=3, devices=2, timeout=60,
                          out=out)
     assert code == 3 and time.perf_counter() - start < 30
-    assert "paxkv.launch: process 1 failed (exit 3)" in capsys.readouterr().err
+    assert "paxkv.scale.launch: process 1 failed (exit 3)" in capsys.readouterr().err
     lines = sorted(x for x in out.getvalue().splitlines() if "process" in x)
     assert [x.split(" at ")[0] for x in lines] == [f"[p{i}] process {i} of 3" for i in range(3)]
     assert all(x.endswith("devices 2") for x in lines)

@@ -29,9 +29,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, r
                                  run_state_machine_as_test)
 
 from experiments.table_ops import table_errors
-from paxkv import page_table as pt
-from paxkv import pool as kv_pool
-from paxkv import quant
+from paxkv.table import page_table as pt
+from paxkv.cache import pool as kv_pool
+from pallas_kernels import quant
 
 # Compiled once per shape and shared by every test in this file.
 reserve_jit = jax.jit(pt.reserve, static_argnames="max_new")

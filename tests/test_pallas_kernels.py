@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _interpret
-from paxkv import paged_cache, quant
-from paxkv.step_info import StepInfo
+from paxkv.cache import paged as paged_cache
+from pallas_kernels import quant
+from paxkv.core.step_info import StepInfo
 from pallas_kernels.kv_write import (copy_pages, copy_pages_reference, write_kv,
                                      write_kv_reference)
 from pallas_kernels.paged_decode import paged_decode_attention
@@ -405,7 +406,7 @@ def test_scaled_validation_names_the_fix():
                                scales=scales[..., :8])
     with pytest.raises(ValueError, match="a float dtype"):
         paged_decode_attention(q.astype(jnp.int8), codes, codes, table, lengths, scales=scales)
-    with pytest.raises(ValueError, match="paxkv.pool.write"):
+    with pytest.raises(ValueError, match="paxkv.cache.pool.write"):
         write_kv(codes, codes, q[:, None, :2], q[:, None, :2], table[:, :1], table[:, :1])
 
 

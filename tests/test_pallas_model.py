@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 import paxkv
-from paxkv import paged_cache
-from paxkv.step_info import StepInfo
+from paxkv.cache import paged as paged_cache
+from paxkv.core.step_info import StepInfo
 from test_pallas_kernels import custom_call_operands, mlir_type, pool_slices
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paxkv import buckets, policy
-from paxkv.attention.plan import AttentionPlan, plan_step, shared_prefix_pages
-from paxkv.requests import Request, RequestTable
-from paxkv.sampling import SamplingParams
+from paxkv.core import buckets
+
+from paxkv.engine import policy
+from paxkv.core.plan import AttentionPlan, plan_step, shared_prefix_pages
+from paxkv.engine.requests import Request, RequestTable
+from paxkv.core.sampling import SamplingParams
 
 
 def test_fine_bucket_covers_the_longest_row_and_wastes_at_most_a_third():

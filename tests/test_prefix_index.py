@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule, run_state_machine_as_test)
 
-from paxkv import page_table as pt
-from paxkv import pool as kv_pool
-from paxkv.prefix_cache import PrefixIndex
+from paxkv.table import page_table as pt
+from paxkv.cache import pool as kv_pool
+from paxkv.prefix.index import PrefixIndex
 
 reserve_jit = jax.jit(pt.reserve, static_argnames="max_new")
 attach_jit = jax.jit(pt.attach)

@@ -1,10 +1,10 @@
-"""A second, deliberately different model keeps :mod:`paxkv.protocol` honest.
+"""A second, deliberately different model keeps :mod:`paxkv.core.protocol` honest.
 
 ``TinyDecoder`` is not paxkv's Llama: Flax NNX instead of linen, learned absolute positions
 instead of RoPE, LayerNorm, a GELU MLP, and its own attention module with a softmax scale that
 is not ``head_dim ** -0.5`` and a logit soft-cap. Through the paged cache (NaN-filled, not
 scrubbed), the dense cache, the engine and ``generate`` it must equal its own cache-less
-forward (:class:`paxkv.full_attention.NoCache`): what a user's model may rely on.
+forward (:class:`paxkv.cache.full.NoCache`): what a user's model may rely on.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import pytest
 from flax import nnx
 
 import paxkv
-from paxkv import dense_cache, paged_cache
-from paxkv.full_attention import NoCache
-from paxkv.protocol import KVCache, Model, check_model
-from paxkv.step_info import StepInfo
+from paxkv.cache import dense as dense_cache
+from paxkv.cache import paged as paged_cache
+from paxkv.cache.full import NoCache
+from paxkv.core.protocol import KVCache, Model, check_model
+from paxkv.core.step_info import StepInfo
 
 
 # -- the model: what a user writes ------------------------------------------------------------
@@ -93,7 +94,7 @@ class TinyDecoder(nnx.Module):
 
 
 class TinyModel:
-    """A :class:`paxkv.protocol.Model`: the NNX module split once into a graph and a params
+    """A :class:`paxkv.core.protocol.Model`: the NNX module split once into a graph and a params
     pytree; ``forward`` merges them inside the step (pure, jit-able)."""
 
     eos_token_ids: tuple[int, ...] = ()

@@ -3,7 +3,7 @@ cache, whose pages it is checked against, where forked samples go, and whom a dr
 preempts.
 
 The cache here is :class:`FakeShards`: the sizes and per-shard free counts of a two-shard
-cache (:class:`paxkv.protocol.Shards`) and, for the prefix cache, numpy block tables and ref
+cache (:class:`paxkv.core.protocol.Shards`) and, for the prefix cache, numpy block tables and ref
 counts in place of the device's (the jitted fork, attach and retain are recorded, and applied
 to those counts, instead of run). The same decisions on real forced devices:
 ``tests/test_mesh.py``.
@@ -16,16 +16,20 @@ import dataclasses
 import numpy as np
 import pytest
 
-from paxkv import page_holds, policy, shard_routing
-from paxkv.accounting import Counters
-from paxkv.cache_ops import CacheOps
-from paxkv.lifecycle import Lifecycle
-from paxkv.prefix_sharing import SharedPrefixes
-from paxkv.protocol import Shards, shard_layout
-from paxkv.requests import Request, RequestTable
-from paxkv.rows import RowState
-from paxkv.sampling import SamplingParams
-from paxkv.scheduler import Scheduler
+from paxkv.prefix import holds as page_holds
+
+from paxkv.engine import policy
+
+from paxkv.engine import routing as shard_routing
+from paxkv.engine.accounting import Counters
+from paxkv.engine.cache_ops import CacheOps
+from paxkv.engine.lifecycle import Lifecycle
+from paxkv.engine.prefix_sharing import SharedPrefixes
+from paxkv.core.protocol import Shards, shard_layout
+from paxkv.engine.requests import Request, RequestTable
+from paxkv.engine.rows import RowState
+from paxkv.core.sampling import SamplingParams
+from paxkv.engine.scheduler import Scheduler
 
 
 @dataclasses.dataclass
@@ -198,7 +202,7 @@ def test_a_dry_shard_preempts_only_its_own_requests():
 
 
 def test_a_scoring_context_goes_whole_to_the_roomiest_shard_with_its_rows():
-    from paxkv.shard_routing import pick_shard  # noqa: PLC0415
+    from paxkv.engine.routing import pick_shard  # noqa: PLC0415
 
     assert pick_shard([4, 4], [3, 9], rows=2) == 1
     assert pick_shard([1, 4], [9, 3], rows=2) == 1  # shard 0 lacks the rows

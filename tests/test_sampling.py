@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv import sampling
+from paxkv.core import sampling
 
 # One compiled sampler for every call here (eager, each call would trace the cond again).
 sample = jax.jit(sampling.sample)

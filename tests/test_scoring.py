@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import paxkv
-from paxkv import buckets
-from paxkv.full_attention import NoCache
+from paxkv.core import buckets
+from paxkv.cache.full import NoCache
 from paxkv.scoring import Scorer, rolling_windows, scorer_for, token_pairs
 from paxkv.scoring.batches import child_groups, step_width
 from paxkv.scoring.steps import scored
-from paxkv.step_info import StepInfo
+from paxkv.core.step_info import StepInfo
 from tiny import tiny_lm
 
 TOL = 1e-5  # per-request relative error of summed log-probabilities, float32

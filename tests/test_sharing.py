@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import paxkv
-from paxkv.step_info import StepInfo
+from paxkv.core.step_info import StepInfo
 
 TEXT = ("The library opens at nine in the morning and closes at eight in the evening on weekdays. "
         "Members may borrow up to twelve items for three weeks and renew them twice online. "

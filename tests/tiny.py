@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv import models
-from paxkv.full_attention import NoCache
+from paxkv.cache.full import NoCache
 from paxkv.models.config import LlamaConfig
 from paxkv.models.llama import Llama
-from paxkv.step_info import StepInfo
+from paxkv.core.step_info import StepInfo
 
 
 class Bytes:

@@ -57,7 +57,7 @@ from experiments.common import print_table, record, timed_rounds, write_json
 from paxkv.models.config import LlamaConfig
 from paxkv.models.gguf_loader import config_from_gguf, open_gguf
 from paxkv.attention import chunked
-from paxkv import paged_cache
+from paxkv.cache import paged as paged_cache
 
 PAGE_SIZE = 16
 REST = "the step without attention"

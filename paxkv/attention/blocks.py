@@ -180,7 +180,7 @@ def attend_shared_pages(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Softmax partials of many queries over the same pages, all of them visible: the shared
     part of cascade attention, for prefill (:func:`attend_blocks_with_prefix`) and decode
-    (``paxkv.paged_cache``).
+    (``paxkv.cache.paged``).
 
     One ``[n * group, d] x [d, prefix]`` product per kv head, in float32 (the pages are read
     once, and XLA:CPU has no bf16 x bf16 -> f32 kernel for this product).

@@ -43,13 +43,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.typing import ArrayLike
 
 from paxkv.attention.blocks import default_sm_scale
 from paxkv.attention.partials import (Partial, finish, finite, keys_partial, merge,  # noqa: F401
                                       read_in_range)
-from paxkv.buckets import cdiv
-from paxkv.kv_storage import read_pages
+from paxkv.core.plan import chunks_needed, list_shape  # noqa: F401  (the list's arithmetic)
+from pallas_kernels.kv_storage import read_pages
 
 class ChunkWork(NamedTuple):
     """The flat work list (all int32 / bool ``[num_chunks]`` but ``total``).
@@ -72,30 +71,6 @@ def tiles_pay() -> bool:
     iterations one after the other and wants one wide pass (its own path is the Pallas
     kernels; the XLA path there is a comparison)."""
     return jax.default_backend() == "cpu"
-
-
-def list_shape(needed: int, max_tile: int) -> tuple[int, int]:
-    """``(num_chunks, tile_chunks)`` for a list of at least ``needed`` chunks: one tile of the
-    next power of two up to ``max_tile`` chunks (a single short row pays for no padding tiles),
-    else whole tiles of ``max_tile``: up to 15 of them exactly, then 8 steps per doubling
-    (16-31 tiles in steps of 2, 32-63 in steps of 4, ...), so at most 1/16 of the list is
-    rounding and nearby counts share one compiled shape."""
-    needed = max(1, int(needed))
-    if needed <= max_tile:
-        n = 1 << (needed - 1).bit_length()
-        return n, n
-    tiles = cdiv(needed, max_tile)
-    step = 1 << max(0, tiles.bit_length() - 4)
-    return cdiv(tiles, step) * step * max_tile, max_tile
-
-
-def chunks_needed(lengths: ArrayLike, *, start_page: int, page_size: int,
-                  chunk_pages: int) -> ArrayLike:
-    """Chunks a row of ``lengths`` tokens needs past ``start_page`` (numpy or jnp, elementwise):
-    the caller's side of the work list, for sizing ``num_chunks``."""
-    span = chunk_pages * page_size
-    past = lengths - start_page * page_size
-    return cdiv(past, span) * (past > 0)
 
 
 def chunk_work(lengths: jax.Array, live: jax.Array, *, start_page: int, page_size: int,
@@ -135,14 +110,14 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_pages, v_pages: ``[num_pages, kv_heads, page_size, head_dim]``, or a whole pool
         ``[num_layers, num_pages, ...]`` with ``layer`` (indexed inside the gather: slicing a
         layer out first would copy it); any float dtype, or bfloat16 bits
-        (:mod:`paxkv.kv_storage`), or 8-bit codes with ``scales``.
+        (:mod:`pallas_kernels.kv_storage`), or 8-bit codes with ``scales``.
       block_tables: int32 ``[b, pages_per_row]``.
       lengths: int32 ``[b]``.
       work: from :func:`chunk_work`; ``num_chunks`` must be a multiple of ``tile_chunks``.
       sm_scale, logit_soft_cap: the model's score settings
         (:func:`paxkv.attention.blocks.scale_scores`).
       scales: float32 ``[(num_layers,) num_pages, kv_heads, 2, page_size]`` of codes
-        (:class:`paxkv.pool.KVPool`), else None: each tile is dequantised in its gather.
+        (:class:`paxkv.cache.pool.KVPool`), else None: each tile is dequantised in its gather.
 
     Returns:
       the rows' :class:`Partial` (rows without chunks: max -inf, zeros).
@@ -208,7 +183,7 @@ def read_kv(k_pages: jax.Array, v_pages: jax.Array, scales: jax.Array | None,
             pages: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """K and V of the pages ``pages`` (any shape ``[...]``) of one layer's pool, or of layer
     ``layer`` of a whole pool, as attention reads them: ``[..., kv_heads, page_size,
-    head_dim]`` each (:func:`paxkv.kv_storage.readable`; codes times their gathered scales)."""
+    head_dim]`` each (:func:`pallas_kernels.kv_storage.readable`; codes times their gathered scales)."""
     index = (pages,) if layer is None else (layer, pages)
     return read_pages(k_pages, v_pages, scales, index, lambda x, i: read_in_range(x, *i))
 
@@ -237,7 +212,7 @@ def paged_decode_attention_chunked(
       block_tables: int32 ``[b, pages_per_row]``; lengths: int32 ``[b]`` (0: idle row).
       num_chunks: static list length, a multiple of ``tile_chunks``; it must cover
         ``sum(chunks_needed(lengths))`` (callers that cannot promise it check
-        ``chunk_work(...).total`` first, as :mod:`paxkv.paged_cache` does).
+        ``chunk_work(...).total`` first, as :mod:`paxkv.cache.paged` does).
       sm_scale: the softmax scale (None: ``head_dim ** -0.5``); logit_soft_cap: None (off) or
         the Gemma-2 cap (:func:`paxkv.attention.blocks.scale_scores`).
       scales: the pages' scales when they hold 8-bit codes (:func:`chunk_partials`).

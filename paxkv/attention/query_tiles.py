@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from paxkv.attention.blocks import attend_blocks
-from paxkv.buckets import cdiv
-from paxkv.kv_storage import read_pages
+from paxkv.core.buckets import cdiv
+from pallas_kernels.kv_storage import read_pages
 
 
 def query_tile(q_len: int) -> int:

@@ -10,6 +10,9 @@ rolling windows of a perplexity task are lm-eval's own. ``loglikelihood`` sends 
 workload to :class:`paxkv.Scorer` (grouped by context token ids, so each context is prefilled
 once and forked into its choices), ``generate_until`` runs the engine and cuts each text at
 its first stop string. Needs the ``eval`` extra (``lm-eval==0.4.13``).
+
+May import: everything in paxkv, and :mod:`paxkv.models` (it loads the checkpoint named
+in ``model_args``). Must not be imported by the rest of paxkv: importing it needs lm-eval.
 """
 
 from __future__ import annotations

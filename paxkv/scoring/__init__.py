@@ -15,6 +15,9 @@ examples repeated in every question). ``share=False`` scores every pair on its o
 * :mod:`paxkv.scoring.scorer` — :class:`Scorer`: the cache and the batches
   (:mod:`~paxkv.scoring.batches`: what each step feeds; :mod:`~paxkv.scoring.shared`: the
   prefix index; :mod:`~paxkv.scoring.results`: what comes back).
+
+May import every layer below it (core, table, cache, scale, prefix, engine). Must not
+import :mod:`paxkv.decoding`, :mod:`paxkv.harness` or any model.
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from paxkv import buckets, mesh as pmesh, quant
-from paxkv.engine_setup import check_size
+from paxkv.core import buckets
+
+from paxkv.scale import mesh as pmesh
+
+from pallas_kernels import quant
+from paxkv.engine.setup import check_size
 from paxkv.scoring.requests import Pair, rolling_windows, token_pairs, truncate
 from paxkv.scoring.results import ScoreResult, ScoreStats
 from paxkv.scoring.scorer import Scorer
@@ -76,7 +83,7 @@ def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
     """Log-likelihood of each continuation given its context.
 
     Args:
-      lm: a :class:`paxkv.protocol.Model` (``encode`` needed for text).
+      lm: a :class:`paxkv.core.protocol.Model` (``encode`` needed for text).
       requests: ``(context, continuation)`` pairs, both strings or both token-id lists. Text is
         split as lm-eval does: ``encode(context + continuation)`` at ``len(encode(context))``.
       cache: "paged" or "dense" (the comparison twin).
@@ -87,7 +94,7 @@ def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
       kv_dtype: the K/V dtype (``jnp.bfloat16`` halves the cache).
       max_length: the most tokens the model sees per request: longer contexts are cut from the
         left as lm-eval's hf backend does; a continuation longer than this is an error.
-      mesh: a ``("data", "model")`` mesh (:func:`paxkv.mesh.make_mesh`) for the paged cache:
+      mesh: a ``("data", "model")`` mesh (:func:`paxkv.scale.mesh.make_mesh`) for the paged cache:
         rows and pages split over ``data`` (``max_seqs`` and ``num_pages`` must divide by it),
         each context with its continuations in one shard; kv heads and weights over
         ``model``. Contexts fork but share no pages across contexts there. None: one device.

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from paxkv import buckets
+from paxkv.core import buckets
 from paxkv.scoring.requests import Group, Pair
 
 
@@ -93,7 +93,7 @@ def child_groups(lefts: Sequence[int], cap: int, max_rows: int, budget: int,
     A step's shape is ``pow2(rows) x pow2(longest left)`` (width 4 .. ``cap``, rows at most
     ``max_rows`` and ``budget // width``): one step for 32 continuations of 2-20 tokens is
     32 x 32 = 1,024 tokens for ~350 real ones; steps of like lengths pad far less, at
-    :data:`STEP_TOKENS` per extra step and :data:`paxkv.buckets.COMPILE_TOKENS` per shape not in
+    :data:`STEP_TOKENS` per extra step and :data:`paxkv.core.buckets.COMPILE_TOKENS` per shape not in
     ``compiled`` (which the chosen shapes join). A shortest path over the sorted rows (a batch
     of children is at most the cache's rows: O(n^2) on the host)."""
     compiled = set() if compiled is None else compiled

@@ -26,12 +26,14 @@ import numpy as np
 
 from jax.sharding import Mesh
 
-from paxkv import policy, shard_routing
-from paxkv.attention import plan as attention_plan
-from paxkv.cache_ops import CacheOps, host
-from paxkv.engine_setup import build_cache, place_model
-from paxkv.prefix_cache import Hit
-from paxkv.protocol import check_model
+from paxkv.engine import policy
+
+from paxkv.engine import routing as shard_routing
+from paxkv.core import plan as attention_plan
+from paxkv.engine.cache_ops import CacheOps, host
+from paxkv.engine.setup import build_cache, place_model
+from paxkv.prefix.index import Hit
+from paxkv.core.protocol import check_model
 from paxkv.scoring import steps
 from paxkv.scoring.batches import (ChildRow, ContextRow, child_groups, context_step,
                                    continuation_step, pages_needed, step_width)
@@ -44,7 +46,7 @@ class Scorer:
     """Scores ``(context, continuation)`` token pairs through one cache, reused across calls.
 
     Args:
-      lm: a :class:`paxkv.protocol.Model`.
+      lm: a :class:`paxkv.core.protocol.Model`.
       cache: "paged" or "dense" (the comparison twin: a fork copies the row).
       share: prefill each distinct context once and fork it; with a paged cache the prefix
         cache also shares full pages across contexts. False: every pair alone (the baseline).
@@ -55,9 +57,9 @@ class Scorer:
       prefill_chunk: widest context chunk per step; prefill_tokens, score_tokens: batch x
         width budgets of a context step and of a continuation step (whose ``[b, t, vocab]``
         logits stay inside the step).
-      mesh: a ``("data", "model")`` mesh for the paged cache (:func:`paxkv.engine_setup.
+      mesh: a ``("data", "model")`` mesh for the paged cache (:func:`paxkv.engine.setup.
         build_cache`): each context and its continuations share pages in one data shard
-        (:func:`paxkv.shard_routing.pick_shard`); no prefix index across contexts there.
+        (:func:`paxkv.engine.routing.pick_shard`); no prefix index across contexts there.
     """
 
     def __init__(self, lm: Any, *, cache: str = "paged", share: bool = True,

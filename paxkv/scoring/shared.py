@@ -12,8 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from paxkv.cache_ops import CacheOps
-from paxkv.prefix_cache import Hit, PrefixIndex
+from paxkv.engine.cache_ops import CacheOps
+from paxkv.prefix.index import Hit, PrefixIndex
 
 
 class SharedContexts:

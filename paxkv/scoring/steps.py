@@ -31,9 +31,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from paxkv.attention.plan import NO_PLAN, AttentionPlan
-from paxkv.protocol import KVCache
-from paxkv.step_info import StepInfo
+from paxkv.core.plan import NO_PLAN, AttentionPlan
+from paxkv.core.protocol import KVCache
+from paxkv.core.step_info import StepInfo
 
 Forward = Callable[[Any, jax.Array, StepInfo, KVCache], tuple[jax.Array, KVCache]]
 
@@ -44,7 +44,7 @@ class AllLogits:
     argument (equal for the same model, so one compiled step serves every call).
 
     A model whose ``forward`` takes ``all_logits=True`` (paxkv's Llama) runs once per step; any
-    other :class:`paxkv.protocol.Model` gives only its last position, so it scores one token per
+    other :class:`paxkv.core.protocol.Model` gives only its last position, so it scores one token per
     row per step (``width == 1``; a wider step raises at trace time)."""
 
     model: Any

@@ -1,0 +1,44 @@
+"""Bucketing rules: the few sizes a changing count is rounded to, so a handful of shapes
+compile instead of one per count. Every rounding in paxkv goes through one of these, and
+:data:`COMPILE_TOKENS` prices one more compiled shape against the padding it would save."""
+
+from __future__ import annotations
+
+# What compiling one more step shape costs, in tokens of step work: the one price both shape
+# planners use (:class:`paxkv.engine.policy.Shapes` for prefill calls, ``scoring.batches`` for child
+# steps). SmolLM2-135M on 2 CPU cores compiles a step in 1.5-5 s, about half a full 4,096-token
+# prefill call; without the price the scoring planner compiled 15 child shapes for a 48-question
+# workload that runs each once. On a GPU a token is far cheaper than a compile: pass a larger
+# ``Shapes(buy=...)``.
+COMPILE_TOKENS = 2048
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (pages for tokens, chunks for pages)."""
+    return -(-a // b)
+
+
+def pow2(n: int, lo: int = 1, hi: int | None = None) -> int:
+    """The power of two >= ``n``, clamped to ``[lo, hi]``: batch widths."""
+    p = max(lo, 1 << max(0, int(n) - 1).bit_length())
+    return p if hi is None else min(hi, p)
+
+
+def fine(n: int, lo: int, hi: int) -> int:
+    """The first of ..., 16, 24, 32, 48, 64, 96, 128, 192, ... (powers of two and 1.5 x powers
+    of two) >= ``n``, clamped to ``[lo, hi]``: attention windows and prefill widths. Powers of
+    two waste up to half of the padded work; these cap it at a third for two shapes per
+    doubling."""
+    p = 1 << max(0, int(n) - 1).bit_length()
+    if 4 * n <= 3 * p:
+        p = 3 * p // 4
+    return int(min(hi, max(lo, p)))
+
+
+def prefix_bucket(num_pages: int) -> int:
+    """The largest of 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... <= ``num_pages``: a shared-prefix
+    hint is rounded *down* (a shorter shared prefix is still shared)."""
+    if num_pages < 1:
+        return 0
+    p = 1 << (int(num_pages).bit_length() - 1)
+    return int(3 * p // 2 if p >= 2 and 3 * p // 2 <= num_pages else p)

@@ -1,0 +1,120 @@
+"""What the engine counts, and the records it reports (:meth:`paxkv.Engine.stats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from paxkv.scale.distributed import gather
+
+
+# One jitted read of a page-sharing cache's accounting (any KVCache with ``stats`` and
+# ``sharing_stats``: the paged cache, the sharded one).
+_page_numbers = jax.jit(lambda cache: (cache.stats(), cache.sharing_stats()))
+
+
+@dataclasses.dataclass
+class Counters:
+    """Running totals of an engine (host side)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+
+    def reset(self) -> None:
+        """Zeroes every total."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, field.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceStats:
+    """One running (or held) sequence: ``tokens`` in its row, ``pages`` its row references,
+    ``shared_pages`` of those with another holder (a row or the prefix index)."""
+
+    tokens: int
+    pages: int
+    shared_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Pool-wide accounting of an :class:`paxkv.engine.Engine` (a dense cache counts a row
+    as a page).
+
+    Attributes:
+      num_pages, free_pages, used_pages: the pool (used includes the prefix index's pages).
+      shared_pages: pages with more than one holder.
+      cached_pages: pages the prefix index holds.
+      row_references: pages the rows would use if nothing were shared.
+      row_pages: distinct pages the rows reference.
+      prefix_lookup_tokens, prefix_hit_tokens, prefix_hit_rate: prompt tokens looked up in /
+        served by the prefix cache (first admissions).
+      cow_copies: copy-on-write page copies so far.
+      prefill_tokens, decode_tokens: tokens computed by prefill / decode steps so far.
+      peak_pages_used: the most pages in use after any step.
+      peak_running: the most requests decoding in one step.
+      preemptions, evictions: requests preempted, cached pages evicted.
+      kv_bytes_per_page: K + V bytes of one page over all layers.
+      kv_bytes_per_device: K/V bytes each device holds (the whole cache on one device; a
+        sharded cache's ``1 / (data x model)``).
+      sequences: per request id, the rows' :class:`SequenceStats`.
+    """
+
+    num_pages: int
+    free_pages: int
+    used_pages: int
+    shared_pages: int
+    cached_pages: int
+    row_references: int
+    row_pages: int
+    prefix_lookup_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    cow_copies: int
+    prefill_tokens: int
+    decode_tokens: int
+    peak_pages_used: int
+    peak_running: int
+    preemptions: int
+    evictions: int
+    kv_bytes_per_page: int
+    kv_bytes_per_device: int
+    sequences: dict[int, SequenceStats]
+
+
+def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> EngineStats:
+    """The :class:`EngineStats` of an engine's parts now: ``ops`` (its
+    :class:`~paxkv.engine.cache_ops.CacheOps`), ``table`` (its request table), ``index`` (its
+    :class:`~paxkv.prefix.index.PrefixIndex` or None)."""
+    cache = ops.cache
+    rows = {r.id: r for r in table.rows if r is not None}
+    if cache.shares_pages:
+        ts, sh = gather(_page_numbers(cache))
+        used, shared = int(ts.used_pages), int(ts.shared_pages)
+        refs, distinct = int(sh.row_references), int(sh.row_pages)
+        seqs = {i: SequenceStats(r.cached, int(sh.pages_held[r.row]), int(sh.shared_held[r.row]))
+                for i, r in rows.items()}
+    else:
+        shared, used = 0, len(rows)
+        refs = distinct = used
+        seqs = {i: SequenceStats(r.cached, 1, 0) for i, r in rows.items()}
+    counts = (dict(cached_pages=len(index), prefix_lookup_tokens=index.lookup_tokens,
+                   prefix_hit_tokens=index.hit_tokens, prefix_hit_rate=index.hit_rate,
+                   evictions=index.evicted) if index is not None else
+              dict(cached_pages=0, prefix_lookup_tokens=0, prefix_hit_tokens=0,
+                   prefix_hit_rate=0.0, evictions=0))
+    num_pages = cache.total_pages
+    return EngineStats(
+        num_pages=num_pages, free_pages=num_pages - used, used_pages=used,
+        shared_pages=shared, row_references=refs, row_pages=distinct,
+        cow_copies=ops.cow_copies, prefill_tokens=counters.prefill_tokens,
+        decode_tokens=counters.decode_tokens, peak_pages_used=ops.peak_used,
+        peak_running=counters.peak_running, preemptions=counters.preemptions, **counts,
+        kv_bytes_per_page=cache.kv_bytes_per_page,
+        kv_bytes_per_device=cache.kv_bytes_per_device,
+        sequences=seqs)
+

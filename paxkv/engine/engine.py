@@ -1,0 +1,212 @@
+"""Continuous batching over cache rows: the public API of a Python loop around jitted steps.
+
+Requests wait in a queue and are admitted into free cache rows while pages allow. Each
+``step()`` prefills what was admitted (bucketed, chunked), decodes one token for every running
+row, releases what finished, and returns what changed (:class:`StepOutput`), so a loop can
+stream. A finished request's result is handed out once and the request is dropped. When the
+pool runs dry mid-decode, a running request is preempted and recomputed later (vLLM's recompute
+preemption): no live token is overwritten.
+
+Sharing (paged cache): the prefix cache (on by default) reuses cached pages of identical
+prompt prefixes; ``submit_prefix`` + ``submit(..., prefix=id)`` forks one prefilled prefix into
+every request that names it; ``n > 1`` prefills a prompt once and forks it into ``n`` samples;
+:meth:`Engine.fork` branches a live sequence (a tree of thought: branch, continue,
+:meth:`Engine.cancel` the losers). The parts: :mod:`paxkv.engine.requests` (the table),
+:mod:`paxkv.engine.rows` (per-row settings), :mod:`paxkv.engine.cache_ops` (the cache),
+:mod:`paxkv.engine.prefix_sharing`, :mod:`paxkv.engine.lifecycle` (who holds a row), :mod:`paxkv.engine.policy`,
+:mod:`paxkv.engine.scheduler` (the step) and :mod:`paxkv.engine.accounting`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from paxkv.engine import accounting
+from paxkv.engine.accounting import Counters, EngineStats, SequenceStats
+from paxkv.engine.cache_ops import CacheOps
+from paxkv.engine.setup import build_cache, place_model
+from paxkv.engine.lifecycle import Lifecycle
+from paxkv.engine.policy import Growth, Shapes
+from paxkv.engine.prefix_sharing import SharedPrefixes
+from paxkv.core.protocol import KVCache, check_model
+from paxkv.engine.requests import GenerationResult, Request, RequestTable, StepOutput
+from paxkv.engine.rows import RowState
+from paxkv.core.sampling import SamplingParams
+from paxkv.engine.scheduler import Scheduler
+
+__all__ = ["Engine", "EngineStats", "GenerationResult", "SequenceStats", "StepOutput"]
+
+
+class Engine:
+    """A paged (or dense) KV cache serving many requests through jitted steps.
+
+    Args:
+      model: a :class:`paxkv.core.protocol.Model` (``paxkv.models.load()``, or your own).
+      cache: "paged", "dense" (the comparison twin), or a :class:`paxkv.core.protocol.KVCache`
+        you built (say NaN-filled, to prove no stray reads); the sizes below are then its own.
+      max_seqs: cache rows (the most requests running at once).
+      max_len: the most tokens (prompt + output) one request may hold.
+      page_size, num_pages: paged layout; ``num_pages`` defaults to the dense reservation
+        ``max_seqs * ceil(max_len / page_size)``.
+      kv_dtype: K/V dtype (``jnp.bfloat16``: half the bytes; stored as bits on a CPU).
+      attention_impl: "auto" (Pallas on a GPU for pages the kernels accept, else XLA),
+        "pallas" or "xla".
+      prefill_chunk: longest prompt chunk per prefill call; prefill_tokens: batch x chunk budget.
+      prefix_cache: reuse cached full pages across requests (default: on for a paged cache).
+        Cached pages stay after their requests finish, until evicted for room or dropped by
+        :meth:`clear_prefix_cache`.
+      growth: how admission projects the running requests' growth
+        (:class:`paxkv.engine.policy.Growth`; ``Growth(start=0, floor=0)`` admits whatever fits now).
+      shapes: which prefill shapes compile (:class:`paxkv.engine.policy.Shapes`: a call runs padded
+        in a compiled wider shape until the padding has cost ``buy`` tokens, default
+        :data:`paxkv.core.buckets.COMPILE_TOKENS`; ``Shapes(buy=0)`` compiles every call's own shape).
+      mesh: a ``("data", "model")`` :class:`jax.sharding.Mesh` (:func:`paxkv.scale.mesh.make_mesh`)
+        for ``cache="paged"``: rows and pages split over ``data`` (``max_seqs`` and
+        ``num_pages`` must divide by it; :mod:`paxkv.scale.sharded_cache`), each request placed in
+        the shard holding its cached prefix if it has room, else in the least-loaded one
+        (the prefix cache keeps one index per shard: page ids are shard-local); kv heads and
+        the weights split over ``model`` (:func:`paxkv.engine.setup.place_model`). None: one
+        device. Across processes (:func:`paxkv.scale.distributed.process_mesh`): every process
+        builds the same engine and makes the same calls in the same order.
+    """
+
+    def __init__(self, model: Any, *, cache: str | KVCache = "paged", max_seqs: int = 32,
+                 max_len: int = 2048, page_size: int = 16, num_pages: int | None = None,
+                 kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
+                 prefill_chunk: int = 512, prefill_tokens: int = 4096, scrub: bool = True,
+                 prefix_cache: bool | None = None, growth: Growth | None = None,
+                 shapes: Shapes | None = None, mesh: Mesh | None = None):
+        check_model(model)
+        kv = build_cache(model, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
+                         num_pages=num_pages, kv_dtype=kv_dtype,
+                         attention_impl=attention_impl, scrub=scrub, mesh=mesh)
+        if prefix_cache and not kv.shares_pages:
+            raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared): "
+                             "pass prefix_cache=False or cache='paged'")
+        self.model = place_model(model, mesh)
+        self.table = RequestTable(kv.max_seqs)
+        self.ops = CacheOps(kv, None if isinstance(cache, KVCache) else max_len)
+        use_index = kv.shares_pages if prefix_cache is None else prefix_cache
+        self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
+        self.counters = Counters()
+        self.lifecycle = Lifecycle(model, self.table, RowState(self.table), self.ops,
+                                   self.prefixes, self.counters, growth or Growth())
+        self.scheduler = Scheduler(self.lifecycle, prefill_chunk=prefill_chunk,
+                                   prefill_tokens=prefill_tokens, shapes=shapes)
+
+    @property
+    def cache(self) -> Any:
+        """The cache as of the last operation (replaced by every step: do not keep it)."""
+        return self.ops.cache
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+               max_new_tokens: int | None = None, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               n: int | None = None, stop_token_ids: Sequence[int] | None = None,
+               logprobs: int | None = None, hold: bool = False,
+               cache_salt: str | bytes | None = None,
+               key: jax.Array | None = None, prefix: int | None = None) -> int:
+        """Queues a request; returns its id. Raises ValueError naming what to change.
+
+        Args:
+          params: the request's :class:`SamplingParams`; the keyword forms override fields.
+          key: a PRNG key to sample from instead of ``fold_in(PRNGKey(seed), request id)``.
+          hold: after finishing keep the row and its pages, so :meth:`fork` can branch it;
+            :meth:`cancel` releases it.
+          cache_salt: prefix-cache tenant: requests with different salts never share pages.
+          prefix: a :meth:`submit_prefix` id: the prompt is that prefix + ``prompt_ids``, and
+            the request starts from the prefix's pages (forked, none recomputed).
+        """
+        p = SamplingParams.of(params, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, n=n,
+                              stop_token_ids=stop_token_ids, logprobs=logprobs)
+        prompt_ids = self.table.prompt(prompt_ids, self.model.vocab_size, prefix)
+        self.ops.check_fits(len(prompt_ids), p.max_new_tokens)
+        rid = self.table.new_id()
+        req = Request.make(rid, prompt_ids, p, p.stops(self.model), p.key_data(rid, key),
+                           salt=cache_salt, hold=hold, prefix_of=prefix)
+        self.table.add(req)
+        self.table.waiting.append(req)
+        return rid
+
+    def submit_prefix(self, prompt_ids: Sequence[int], *,
+                      cache_salt: str | bytes | None = None) -> int:
+        """Queues a shared prefix (a system prompt): prefilled once, then it holds its row
+        ("prefilled"); requests submitted with ``prefix=`` this id fork its pages, a partly
+        filled last page included. :meth:`cancel` releases it."""
+        rid = self.submit(prompt_ids, max_new_tokens=1, stop_token_ids=(),
+                          cache_salt=cache_salt)
+        self.table.requests[rid].is_prefix = True
+        return rid
+
+    def fork(self, request_id: int, n: int, params: SamplingParams | None = None, *,
+             max_new_tokens: int | None = None, temperature: float | None = None,
+             top_k: int | None = None, top_p: float | None = None,
+             stop_token_ids: Sequence[int] | None = None, hold: bool = False) -> list[int]:
+        """Branches a live request into ``n`` children that continue it, sharing its pages
+        (nothing is prefilled again). Returns the children's ids.
+
+        The request must be decoding (between steps) or finished with ``hold=True``; it ends
+        ("forked", or keeps its finish reason if held) and its row goes to the children. Child
+        i samples from ``fold_in(parent key, i)``. Settings come from ``params`` (default:
+        the parent's), then the keyword forms.
+        """
+        p = SamplingParams.of(params or self.table.get(request_id).params(),
+                              max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids)
+        return self.lifecycle.fork(request_id, n, p, hold=hold)
+
+    def cancel(self, request_id: int) -> None:
+        """Stops a request now (and its samples); a running or held one releases its row in
+        this call: pages nobody else holds are free at once."""
+        self.lifecycle.cancel(request_id)
+
+    # -- running --------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.table.has_work()
+
+    def step(self) -> StepOutput:
+        """One iteration (see :mod:`paxkv.engine.scheduler`): the tokens each request generated and
+        the requests now done (handed out here once, then dropped)."""
+        new_tokens = self.scheduler.step() if self.has_work() else {}
+        return StepOutput(new_tokens, self._hand_out())
+
+    def run(self) -> dict[int, GenerationResult]:
+        """Steps until nothing runs; results by request id of every request that finished
+        (held and prefix requests included: they stay until forked or cancelled)."""
+        results = self._hand_out()
+        while self.has_work():
+            results.update(self.step().finished)
+        held = {r.id: self._result(r) for r in self.table.requests.values()
+                if r.finish_reason is not None and r.sample_of is None}
+        return {**results, **held}
+
+    def result(self, request_id: int) -> GenerationResult:
+        """A live request's result so far (finish_reason "running" until it ends)."""
+        return self._result(self.table.get(request_id))
+
+    def _hand_out(self) -> dict[int, GenerationResult]:
+        return self.table.hand_out(getattr(self.model, "decode", None))
+
+    def _result(self, req: Request) -> GenerationResult:
+        return self.table.result(req, getattr(self.model, "decode", None))
+
+    # -- sharing and accounting -----------------------------------------------------------
+    def clear_prefix_cache(self) -> int:
+        """Drops every cached page's index reference; returns how many pages the index held
+        (those no running request holds are free at once)."""
+        return 0 if self.prefixes is None else self.prefixes.clear()
+
+    def stats(self) -> EngineStats:
+        """Pool, sharing and prefix-cache accounting now (see :class:`EngineStats`)."""
+        return accounting.engine_stats(self.ops, self.table, self.counters, self.prefixes)
+
+    def reset_stats(self) -> None:
+        """Zeroes the running totals and peaks (a timed run after a warm-up starts clean)."""
+        self.counters.reset()
+        self.ops.reset_counts()

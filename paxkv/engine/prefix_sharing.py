@@ -1,0 +1,131 @@
+"""The engine's prefix cache: one host-side index (:mod:`paxkv.prefix.index`) per shard of the
+cache, kept in step with the pages it holds references on (:class:`paxkv.engine.cache_ops.CacheOps`).
+
+A new request looks up its longest cached chain of full pages (plus a partial page) and
+attaches it to its row, prefilling only the rest; a request's written full pages are indexed
+when it finishes its prompt, is preempted or is released; cached pages nobody else holds are
+evicted, chain tails first, when admission or a decode step needs room.
+
+Page ids are shard-local on a sharded cache (:mod:`paxkv.scale.sharded_cache`), so each shard has
+its own index, and a hit serves only a row of the shard that holds it::
+
+    shard 0 index: sys-prompt p0 -> p3 -> p7        shard 1 index: sys-prompt p0 -> p5
+    a request with that prompt: hits [3 pages in shard 0, 2 pages in shard 1]
+
+A lookup answers per shard and the scheduler picks the row (:mod:`paxkv.engine.routing`);
+indexing, eviction and holds work in the shard of the row concerned. A one-device cache is
+one shard.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from paxkv.prefix import holds as page_holds
+from paxkv.engine.cache_ops import CacheOps
+from paxkv.prefix.index import Hit, PrefixIndex
+from paxkv.engine.requests import Request
+
+
+class SharedPrefixes:
+    """One :class:`PrefixIndex` per shard of ``ops``' cache, each page holding one reference
+    there. Its counters (``len``, ``lookup_tokens``, ``hit_tokens``, ``hit_rate``,
+    ``inserted``, ``evicted``) sum the shards' (what :func:`paxkv.engine.accounting.engine_stats`
+    reads)."""
+
+    def __init__(self, ops: CacheOps, page_size: int):
+        self.ops, self.page_size = ops, page_size
+        self.shards = [PrefixIndex(page_size) for _ in range(ops.num_shards)]
+
+    @property
+    def index(self) -> PrefixIndex:
+        """A one-shard cache's index (a sharded cache has one per shard: :attr:`shards`)."""
+        if len(self.shards) != 1:
+            raise AttributeError(f"a cache of {len(self.shards)} shards has one prefix index "
+                                 "per shard: read .shards[s]")
+        return self.shards[0]
+
+    def lookup(self, req: Request) -> tuple[list[Hit], list[bytes]]:
+        """Each shard's longest cached prefix (at most all but the last token) and the digests
+        of the request's full pages."""
+        limit = len(req.tokens) - 1
+        return ([ix.match(req.tokens, req.salt, max_tokens=limit) for ix in self.shards],
+                self.shards[0].digests(req.tokens[:limit], req.salt))
+
+    def attach(self, req: Request, hit: Hit) -> None:
+        """``req`` (placed in a row of the shard whose index gave ``hit``) starts from the
+        hit's pages."""
+        self.ops.attach(req.row, hit.pages, hit.num_tokens)
+        req.cached = hit.num_tokens
+
+    def record(self, shard: int, looked_up: int, hit: int) -> None:
+        """Counts one admitted lookup in ``shard``: ``looked_up`` tokens, ``hit`` cached."""
+        self.shards[shard].record(looked_up, hit)
+
+    def index_rows(self, reqs: list[Request]) -> None:
+        """Indexes the full pages each request has written in its row's shard (the index
+        takes a reference)."""
+        reqs = [r for r in reqs if r.row is not None and r.cached >= self.page_size]
+        if not reqs:
+            return
+        tables = page_holds.block_tables(self.ops.cache)  # [max_seqs, max_pages_per_seq]
+        new: list[list[int]] = [[] for _ in self.shards]
+        for r in reqs:
+            full, shard = r.cached // self.page_size, self.ops.shard_of(r.row)
+            new[shard] += self.shards[shard].insert(r.tokens[:full * self.page_size],
+                                                    tables[r.row, :full], r.salt)
+        self.ops.retain_shards(new, 1)
+
+    def evict(self, num: int, protect: Sequence[int] = (), shard: int = 0) -> None:
+        """Drops up to ``num`` cached pages of ``shard`` only its index holds (never
+        ``protect``, that shard's ids)."""
+        if not len(self.shards[shard]):
+            return
+        ref_counts = page_holds.ref_counts(self.ops.cache)[shard]
+        pages = self.shards[shard].evict(num, ref_counts, protect)
+        self.ops.retain(pages, -1, shard)
+        self.ops.shard_free[shard] += len(pages)
+
+    def reclaimable(self, hits: Sequence[Hit]) -> np.ndarray:
+        """int64 ``[num_shards]``: the pages :meth:`evict` could free in each shard for a
+        request attaching ``hits[s]`` there (:meth:`PrefixIndex.evictable`), evicting
+        nothing."""
+        if not len(self):
+            return np.zeros(len(self.shards), np.int64)
+        refs = page_holds.ref_counts(self.ops.cache)
+        return np.array([ix.evictable(refs[s], hits[s].pages)
+                         for s, ix in enumerate(self.shards)], np.int64)
+
+    def clear(self) -> int:
+        """Drops every cached page's reference in every shard; returns how many the indexes
+        held."""
+        pages = [ix.clear() for ix in self.shards]
+        self.ops.retain_shards(pages, -1)
+        self.ops.refresh_free()
+        return sum(map(len, pages))
+
+    # -- counters over every shard (accounting) ---------------------------------------------
+    def __len__(self) -> int:
+        return sum(len(ix) for ix in self.shards)
+
+    @property
+    def lookup_tokens(self) -> int:
+        return sum(ix.lookup_tokens for ix in self.shards)
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(ix.hit_tokens for ix in self.shards)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+    @property
+    def inserted(self) -> int:
+        return sum(ix.inserted for ix in self.shards)
+
+    @property
+    def evicted(self) -> int:
+        return sum(ix.evicted for ix in self.shards)
