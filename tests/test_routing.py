@@ -104,9 +104,11 @@ def _engine_parts(cache: FakeShards,
     ops = RecordingOps(cache)
     ops.forks, ops.attaches, ops.retains = [], [], []
     prefixes = SharedPrefixes(ops, cache.page_size) if cached else None
-    life = Lifecycle(None, table, RowState(table), ops, prefixes, Counters(),
-                     policy.Growth(start=0.0, floor=0.0))
-    return Scheduler(life, prefill_chunk=16, prefill_tokens=64), table, ops
+    rows, counters, growth = RowState(table), Counters(), policy.Growth(start=0.0, floor=0.0)
+    life = Lifecycle(None, table, rows, ops, prefixes, counters, growth)
+    return Scheduler(model=None, table=table, rows=rows, ops=ops, prefixes=prefixes,
+                     counters=counters, growth=growth, life=life, prefill_chunk=16,
+                     prefill_tokens=64), table, ops
 
 
 def _run(table: RequestTable, req: Request, row: int, cached: int) -> Request:
@@ -322,3 +324,24 @@ def test_one_prompt_prefills_once_per_shard_in_a_round(fake_reads):
     _queue(table, *reqs)
     assert sched.admit() == reqs[:2] and [r.row for r in reqs[:2]] == [0, 2]
     assert list(table.waiting) == [reqs[2]]
+
+
+def test_the_engine_steps_the_model_it_placed_on_the_mesh():
+    """The engine places the model's weights on its mesh once; its step must run that placed
+    model, not the caller's (whose weights would move to the mesh inside every step)."""
+    import jax  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+
+    import paxkv  # noqa: PLC0415
+    from paxkv.scale import mesh as pmesh  # noqa: PLC0415
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    lm = tiny_lm()
+    engine = paxkv.Engine(lm, mesh=pmesh.make_mesh(data=1), max_seqs=2, max_len=32,
+                          page_size=4)
+    for stepped in (engine.scheduler.model, engine.lifecycle.model):
+        assert stepped is engine.model and stepped is not lm
+        assert all(isinstance(x.sharding, NamedSharding)
+                   for x in jax.tree.leaves(stepped.params))
+    rid = engine.submit([5, 6, 7], max_new_tokens=3)
+    assert len(engine.run()[rid].token_ids) == 3

@@ -27,7 +27,6 @@ from paxkv.scale import sharded_cache
 from paxkv.core import steps
 from paxkv.table import page_table as pt
 from paxkv.core.plan import AttentionPlan
-from paxkv.prefix.holds import attach_rows, retain_pages  # noqa: F401 (the engine's jitted ops)
 from paxkv.core.protocol import KVCache, shard_free_pages, shard_layout
 from paxkv.core.sampling import RowSampling
 

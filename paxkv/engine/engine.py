@@ -93,10 +93,13 @@ class Engine:
         use_index = kv.shares_pages if prefix_cache is None else prefix_cache
         self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
         self.counters = Counters()
-        self.lifecycle = Lifecycle(model, self.table, RowState(self.table), self.ops,
-                                   self.prefixes, self.counters, growth or Growth())
-        self.scheduler = Scheduler(self.lifecycle, prefill_chunk=prefill_chunk,
-                                   prefill_tokens=prefill_tokens, shapes=shapes)
+        rows, growth = RowState(self.table), growth or Growth()
+        self.lifecycle = Lifecycle(self.model, self.table, rows, self.ops, self.prefixes,
+                                   self.counters, growth)
+        self.scheduler = Scheduler(  # the placed model: its weights already lie on the mesh
+            model=self.model, table=self.table, rows=rows, ops=self.ops, prefixes=self.prefixes,
+            counters=self.counters, growth=growth, life=self.lifecycle,
+            prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, shapes=shapes)
 
     @property
     def cache(self) -> Any:

@@ -3,7 +3,7 @@
 :class:`Scheduler` is built from parts it is handed, each testable alone: the request table
 (:mod:`paxkv.engine.requests`), the row state (:mod:`paxkv.engine.rows`), the cache and its jitted
 operations (:mod:`paxkv.engine.cache_ops`), the prefix cache (:mod:`paxkv.engine.prefix_sharing`, or None),
-the row hand-overs (:mod:`paxkv.engine.lifecycle`, which holds all of these), the policy
+the row hand-overs (:mod:`paxkv.engine.lifecycle`), admission (:mod:`paxkv.engine.admission`), the policy
 (:mod:`paxkv.engine.policy`) and the attention plan (:mod:`paxkv.core.plan`). One ``step``::
 
     (admit -> prefill)+ -> evict for decode -> decode one token per running row -> release
@@ -29,26 +29,30 @@ from typing import Any
 
 import numpy as np
 
-from paxkv.engine import admission
-
-from paxkv.engine import policy
 from paxkv.core import plan as attention_plan
-from paxkv.engine.lifecycle import Lifecycle
-from paxkv.prefix.index import Hit
-from paxkv.engine.requests import Request
 from paxkv.core.sampling import Sampled
+from paxkv.engine import admission, policy
+from paxkv.engine.accounting import Counters
+from paxkv.engine.cache_ops import CacheOps
+from paxkv.engine.lifecycle import Lifecycle
+from paxkv.engine.prefix_sharing import SharedPrefixes
+from paxkv.engine.requests import Request, RequestTable
+from paxkv.engine.rows import RowState
+from paxkv.prefix.index import Hit
 
 
 class Scheduler:
     """Runs steps over the parts it is given; see :class:`paxkv.engine.Engine`."""
 
-    def __init__(self, life: Lifecycle, *, prefill_chunk: int, prefill_tokens: int,
+    def __init__(self, *, model: Any, table: RequestTable, rows: RowState, ops: CacheOps,
+                 prefixes: SharedPrefixes | None, counters: Counters, growth: policy.Growth,
+                 life: Lifecycle, prefill_chunk: int, prefill_tokens: int,
                  shapes: policy.Shapes | None = None):
-        self.life = life
+        self.model, self.table, self.rows, self.ops = model, table, rows, ops
+        self.prefixes, self.counters, self.growth, self.life = prefixes, counters, growth, life
+        self.admission = admission.Admission(table, ops, prefixes, growth)
         # Rent a wider shape until a compile's price (buckets.COMPILE_TOKENS) is padded.
         self.shapes = shapes if shapes is not None else policy.Shapes()
-        self.model, self.table, self.rows, self.ops = life.model, life.table, life.rows, life.ops
-        self.prefixes, self.counters, self.growth = life.prefixes, life.counters, life.growth
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.new_tokens: dict[int, list[int]] = {}
         self.last_plan: attention_plan.AttentionPlan | None = None  # the latest step's plan
@@ -90,7 +94,7 @@ class Scheduler:
 
     def admit(self) -> list[Request]:
         """One admission round (see the module docstring): each request goes to a row of the
-        shard :func:`paxkv.engine.admission.route` picks if it fits that shard's free pages."""
+        shard :meth:`paxkv.engine.admission.Admission.route` picks if it fits that shard's free pages."""
         admitted: list[Request] = []
         pending: set[tuple[int, bytes]] = set()  # (shard, digest) being prefilled this round
         while self.table.waiting and self.table.free_rows():
@@ -100,7 +104,7 @@ class Scheduler:
                 break  # its shared prefix is still being prefilled
             hits, digests = (([], []) if holder or self.prefixes is None
                              else self.prefixes.lookup(req))
-            row = admission.route(self.life, req, holder, hits)
+            row = self.admission.route(req, holder, hits)
             if row is None:
                 break  # the prefix's shard has no free row: wait for one
             shard = self.ops.shard_of(row)
@@ -109,7 +113,7 @@ class Scheduler:
                 break  # an earlier admission of this round is prefilling that page there
             cached = holder.cached if holder else hit.num_tokens
             need = policy.pages_to_admit(len(req.tokens), cached, self.ops.cache.page_size)
-            if not admission.fits(self.life, row, need, hit):
+            if not self.admission.fits(row, need, hit):
                 break
             self.table.waiting.popleft()
             self.rows.place(req, row)
