@@ -40,6 +40,7 @@ def attend_blocks(
     *,
     sm_scale: float,
     logit_soft_cap: float | None = None,
+    window: jax.Array | None = None,
 ) -> jax.Array:
     """Masked causal GQA attention over KV already laid out in blocks.
 
@@ -52,6 +53,8 @@ def attend_blocks(
         A query with a negative position is padding and yields zeros.
       lengths: int32 ``[batch]``: keys at positions ``>= lengths`` are never read.
       sm_scale, logit_soft_cap: the model's score settings (:func:`scale_scores`).
+      window: int32 scalar (traced) or None: a query sees only its last ``window`` keys, its
+        own included (a sliding-window layer; :func:`layer_window`); None sees all.
 
     Returns:
       ``[batch, q_len, num_q_heads, head_dim]`` in ``q.dtype``; rows with nothing to attend
@@ -61,7 +64,8 @@ def attend_blocks(
     num_kv_heads = k_blocks.shape[2]
     q_grouped = q.reshape(batch, q_len, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     scores, v_live = _masked_scores(q_grouped, k_blocks, v_blocks, q_positions, lengths, 0,
-                                    sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
+                                    sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+                                    window=window)
     row_max = jnp.max(scores, axis=(-2, -1), keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     probs = jnp.exp(scores - row_max)  # exp(-inf) = 0 for masked keys
@@ -74,12 +78,13 @@ def attend_blocks(
 
 def _masked_scores(q_grouped: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array,
                    q_positions: jax.Array, lengths: jax.Array, first_key: int, *,
-                   sm_scale: float, logit_soft_cap: float | None) -> tuple[jax.Array, jax.Array]:
+                   sm_scale: float, logit_soft_cap: float | None,
+                   window: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Each row's scores against its own blocks, masked, and its values, masked.
 
     Key position ``first_key + m * block_size + s`` is ``k_blocks[:, m, :, s]``. A query sees
-    the live keys (before ``lengths``) at or before its own position; a padding query (negative
-    position) sees none.
+    the live keys (before ``lengths``) at or before its own position (and, with a ``window``,
+    after ``position - window``); a padding query (negative position) sees none.
 
     Returns:
       ``(scores, v_live)``: float32 ``[b, t, kv_heads, group, m, s]`` (-inf where not
@@ -92,6 +97,8 @@ def _masked_scores(q_grouped: jax.Array, k_blocks: jax.Array, v_blocks: jax.Arra
     key_live = key_pos[None] < lengths[:, None, None]  # [b, m, s]
     visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
     visible &= (q_positions >= 0)[:, :, None, None]  # [b, t, m, s]
+    if window is not None:
+        visible &= in_window(key_pos[None, None], q_positions[:, :, None, None], window)
     scores = scale_scores(jnp.einsum("btkgd,bmksd->btkgms", q_grouped, k_blocks,
                                      preferred_element_type=jnp.float32),
                           sm_scale, logit_soft_cap)
@@ -229,3 +236,43 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
 
 def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
     return head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+
+
+# A window no sequence reaches: the value a global layer gets in a model whose other layers
+# slide (so one traced comparison serves every layer of the scan).
+NO_WINDOW = 2 ** 30
+
+
+def layer_window(layer_windows: tuple[int | None, ...] | None,
+                 layer: jax.Array) -> jax.Array | None:
+    """The window of ``layer`` (int32 scalar, traced under the model's layer scan), or None
+    when no layer of the model slides (then no attention path pays for a window).
+
+    ``layer_windows``: one entry per layer, None for a global layer, ``w`` for a layer whose
+    queries see only their last ``w`` keys (their own included: HF's ``sliding_window``)."""
+    if not layer_windows or all(w is None for w in layer_windows):
+        return None
+    table = jnp.asarray([NO_WINDOW if w is None else int(w) for w in layer_windows], jnp.int32)
+    return table[jnp.clip(layer, 0, len(layer_windows) - 1)]
+
+
+def in_window(key_pos: jax.Array, q_pos: jax.Array, window: jax.Array) -> jax.Array:
+    """Whether a key at ``key_pos`` is among the last ``window`` keys of a query at ``q_pos``
+    (broadcast shapes): ``key_pos > q_pos - window``. Causality is the caller's mask."""
+    return key_pos > q_pos - window
+
+
+def check_windows(layer_windows: tuple[int | None, ...] | None, num_layers: int
+                  ) -> tuple[int | None, ...] | None:
+    """``layer_windows`` as a tuple (None when no layer slides), checked at the Python
+    boundary: one entry per layer, each None or an int >= 1."""
+    if layer_windows is None:
+        return None
+    windows = tuple(layer_windows)
+    if len(windows) != num_layers:
+        raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers: "
+                         "pass one per layer (None for a global layer)")
+    for w in windows:
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"layer_windows entries must be None or an int >= 1, got {w!r}")
+    return windows if any(w is not None for w in windows) else None

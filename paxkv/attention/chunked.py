@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paxkv.attention.blocks import default_sm_scale
+from paxkv.attention.blocks import default_sm_scale, in_window
 from paxkv.attention.partials import (Partial, finish, finite, keys_partial, merge,  # noqa: F401
                                       read_in_range)
 from paxkv.core.plan import chunks_needed, list_shape  # noqa: F401  (the list's arithmetic)
@@ -101,8 +101,8 @@ def chunk_work(lengths: jax.Array, live: jax.Array, *, start_page: int, page_siz
 def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    block_tables: jax.Array, lengths: jax.Array, work: ChunkWork, *,
                    chunk_pages: int, tile_chunks: int, sm_scale: float,
-                   logit_soft_cap: float | None = None, layer: jax.Array | None = None,
-                   scales: jax.Array | None = None) -> Partial:
+                   logit_soft_cap: float | None = None, window: jax.Array | None = None,
+                   layer: jax.Array | None = None, scales: jax.Array | None = None) -> Partial:
     """Softmax partials of every row's chunks, merged per row.
 
     Args:
@@ -116,6 +116,7 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       work: from :func:`chunk_work`; ``num_chunks`` must be a multiple of ``tile_chunks``.
       sm_scale, logit_soft_cap: the model's score settings
         (:func:`paxkv.attention.blocks.scale_scores`).
+      window: int32 scalar or None: the query sees only the row's last ``window`` keys.
       scales: float32 ``[(num_layers,) num_pages, kv_heads, 2, page_size]`` of codes
         (:class:`paxkv.cache.pool.KVPool`), else None: each tile is dequantised in its gather.
 
@@ -139,6 +140,8 @@ def chunk_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         pages = tile_pages(block_tables, row, first, chunk_pages)
         key_pos = first[:, None, None] * page_size + slot[None]  # [T, c, s]
         key_live = (key_pos < lengths[row][:, None, None]) & valid[:, None, None]
+        if window is not None:  # the query sits at lengths - 1
+            key_live &= in_window(key_pos, lengths[row][:, None, None] - 1, window)
 
         k, v = read_kv(k_pages, v_pages, scales, pages, layer)  # [T, c, k, s, d] each
         n = k.shape[0]

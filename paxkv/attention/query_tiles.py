@@ -33,7 +33,7 @@ def query_tile(q_len: int) -> int:
 def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           block_tables: jax.Array, q_positions: jax.Array, lengths: jax.Array,
                           *, sm_scale: float, logit_soft_cap: float | None = None,
-                          layer: jax.Array | None = None,
+                          window: jax.Array | None = None, layer: jax.Array | None = None,
                           scales: jax.Array | None = None) -> jax.Array:
     """:func:`paxkv.attention.blocks.attend_blocks` over gathered pages, one (row, query
     tile) at a time (:func:`query_tiles`).
@@ -42,8 +42,8 @@ def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q: ``[b, t, num_q_heads, head_dim]``; q_positions: int32 ``[b, t]`` (-1: padding).
       k_pages, v_pages: ``[num_pages, ...]`` or a pool ``[num_layers, num_pages, ...]`` with
         ``layer``; block_tables: int32 ``[b, pages_per_row]``; lengths: int32 ``[b]``.
-      sm_scale, logit_soft_cap: the model's score settings
-        (:func:`paxkv.attention.blocks.scale_scores`).
+      sm_scale, logit_soft_cap, window: the model's score settings and the layer's sliding
+        window (:func:`paxkv.attention.blocks.attend_blocks`).
       scales: float32 ``[(num_layers,) num_pages, kv_heads, 2, page_size]`` when the pages
         hold 8-bit codes (each tile is dequantised in its gather), else None.
 
@@ -57,12 +57,13 @@ def attend_in_query_tiles(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     return query_tiles(q, q_positions, lengths, block_tables, read,
                        width=block_tables.shape[1], unit=k_pages.shape[-2], sm_scale=sm_scale,
-                       logit_soft_cap=logit_soft_cap)
+                       logit_soft_cap=logit_soft_cap, window=window)
 
 
 def query_tiles(q: jax.Array, q_positions: jax.Array, lengths: jax.Array, row_keys: jax.Array,
                 read: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]], *, width: int,
-                unit: int, sm_scale: float, logit_soft_cap: float | None = None) -> jax.Array:
+                unit: int, sm_scale: float, logit_soft_cap: float | None = None,
+                window: jax.Array | None = None) -> jax.Array:
     """Attention one (row, query tile) at a time under ``lax.map``, for any KV layout.
 
     A prefill of 8 rows x 512 queries materialises ``[8, 512, heads, 512]`` float32 scores
@@ -80,8 +81,8 @@ def query_tiles(q: jax.Array, q_positions: jax.Array, lengths: jax.Array, row_ke
       read: ``(row_keys[i], n) -> (k, v)``, each ``[1, blocks, kv_heads, block, head_dim]``:
         the row's first ``n * unit`` keys (``n`` static).
       width: the row's window in units of ``unit`` tokens (pages; tokens for a dense row).
-      sm_scale, logit_soft_cap: the model's score settings
-        (:func:`paxkv.attention.blocks.scale_scores`).
+      sm_scale, logit_soft_cap, window: the model's score settings and the layer's sliding
+        window (:func:`paxkv.attention.blocks.attend_blocks`).
 
     Returns:
       ``[b, t, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -100,7 +101,8 @@ def query_tiles(q: jax.Array, q_positions: jax.Array, lengths: jax.Array, row_ke
         def attend(span: int) -> jax.Array:
             k, v = read(keys, span)
             return attend_blocks(q_tile[None], k, v, positions[None], length[None],
-                                 sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)[0]
+                                 sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+                                 window=window)[0]
 
         branches = [functools.partial(attend, span) for span in spans]
         return lax.switch(jnp.minimum(which, parts - 1), branches)

@@ -21,7 +21,8 @@ from pallas_kernels import quant
 from paxkv.attention import chunked, partials
 from paxkv.attention.query_tiles import query_tiles
 from pallas_kernels.kv_storage import full, readable, storage_dtype, to_storage
-from paxkv.attention.blocks import attend_blocks, default_sm_scale
+from paxkv.attention.blocks import (attend_blocks, check_windows, default_sm_scale, in_window,
+                                    layer_window)
 from paxkv.core.step_info import StepInfo
 
 
@@ -46,6 +47,9 @@ class DenseCache:
       k, v: the caches; lengths: int32 ``[max_seqs]``; active: bool ``[max_seqs]``.
       scales: float32 ``[layers, max_seqs, kv_heads, 2, max_len]`` (K at 0, V at 1) when
         ``k`` / ``v`` hold 8-bit codes (:mod:`pallas_kernels.quant`), else None.
+      layer_windows: each layer's sliding window (None: global), or None when no layer
+        slides (static; :func:`paxkv.attention.blocks.layer_window`). A dense row keeps every
+        token; a window layer only masks.
     """
 
     k: jax.Array
@@ -53,6 +57,8 @@ class DenseCache:
     lengths: jax.Array
     active: jax.Array
     scales: jax.Array | None = None
+    layer_windows: tuple[int | None, ...] | None = dataclasses.field(
+        default=None, metadata=dict(static=True))
 
     shares_pages = False
 
@@ -157,7 +163,8 @@ class DenseCache:
         rows = jnp.arange(self.max_seqs) if step.rows is None else step.rows
         new = _write(self.arrays(), layer, rows, step.positions, k, v)
         scores = dict(sm_scale=default_sm_scale(q.shape[-1], sm_scale),
-                      logit_soft_cap=logit_soft_cap)
+                      logit_soft_cap=logit_soft_cap,
+                      window=layer_window(self.layer_windows, layer))
 
         def read(window: int) -> jax.Array:
             return _attend_rows(new, layer, rows, q, step, window, scores)
@@ -237,11 +244,15 @@ def _decode_in_row_groups(arrays: tuple[jax.Array, ...], layer: jax.Array,
         group *= 2
     _, _, kv_heads, _, head_dim = arrays[0].shape
     key_pos = jnp.arange(window)
+    scores = dict(scores)
+    slide = scores.pop("window")  # the layer's sliding window (None: global)
 
     def one(args: tuple[jax.Array, ...]) -> jax.Array:
         q_g, rows_g, positions, lengths = args  # [group, 1, heads, d], [group], [group, 1], ..
         live = ((key_pos[None] < lengths[:, None]) & (key_pos[None] <= positions)
                 & (positions >= 0))  # [group, window]
+        if slide is not None:
+            live &= in_window(key_pos[None], positions, slide)
 
         def read(kv: jax.Array, *slots: slice | int) -> jax.Array:
             return partials.read_in_range(kv, layer, rows_g, slice(None), *slots)
@@ -263,18 +274,23 @@ def _decode_in_row_groups(arrays: tuple[jax.Array, ...], layer: jax.Array,
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, max_seqs: int, max_len: int,
-           dtype: jnp.dtype = jnp.float32, fill: float = 0.0) -> DenseCache:
+           dtype: jnp.dtype = jnp.float32, fill: float = 0.0,
+           layer_windows: tuple[int | None, ...] | None = None) -> DenseCache:
     """An empty dense cache reserving ``max_len`` slots for each of ``max_seqs`` rows, K/V in
     ``dtype`` (stored as the paged pool stores it: :mod:`pallas_kernels.kv_storage`; int8 / fp8 as
-    codes plus scales, :mod:`pallas_kernels.quant`)."""
+    codes plus scales, :mod:`pallas_kernels.quant`). ``layer_windows``: the model's
+    (:attr:`paxkv.Model.layer_windows`), one entry per layer."""
     if max_len < 1 or max_seqs < 1:
         raise ValueError(f"max_len and max_seqs must be >= 1, got {max_len}, {max_seqs}")
+    windows = check_windows(layer_windows, num_layers)
     shape = (num_layers, max_seqs, num_kv_heads, max_len, head_dim)
     rows = dict(lengths=jnp.zeros((max_seqs,), jnp.int32), active=jnp.zeros((max_seqs,), bool))
     storage_dtype(dtype)  # a dtype the cache cannot serve raises here
     fmt = quant.format_of(dtype)
     if fmt is None:
-        return DenseCache(k=full(shape, fill, dtype), v=full(shape, fill, dtype), **rows)
+        return DenseCache(k=full(shape, fill, dtype), v=full(shape, fill, dtype), **rows,
+                          layer_windows=windows)
     codes, scale = quant.full_codes(shape, fill, fmt)
     return DenseCache(k=codes, v=jnp.array(codes), **rows,
-                      scales=jnp.full(shape[:3] + (2, max_len), scale, jnp.float32))
+                      scales=jnp.full(shape[:3] + (2, max_len), scale, jnp.float32),
+                      layer_windows=windows)

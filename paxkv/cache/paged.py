@@ -21,7 +21,7 @@ from paxkv.table import page_table as pt
 from paxkv.cache import pool as kv_pool
 from pallas_kernels import quant
 from paxkv.cache import paged_xla
-from paxkv.attention.blocks import default_sm_scale
+from paxkv.attention.blocks import check_windows, default_sm_scale, layer_window
 from paxkv.core.plan import NO_PLAN, AttentionPlan
 from pallas_kernels.kv_storage import is_bits
 from paxkv.core.step_info import StepInfo
@@ -53,7 +53,7 @@ def resolve_impl(impl: str, dtype: jnp.dtype, *, page_size: int, head_dim: int,
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "table"],
-                   meta_fields=["scrub", "impl"])
+                   meta_fields=["scrub", "impl", "layer_windows"])
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
     """Paged KV for ``max_seqs`` sequences.
@@ -63,12 +63,16 @@ class PagedCache:
       table: block tables, lengths, ref counts.
       scrub: zero pages when they are handed out (static).
       impl: "xla" or "pallas": how :meth:`attend` reads the pages (static).
+      layer_windows: each layer's sliding window (None: global), or None when no layer slides
+        (static; :func:`paxkv.attention.blocks.layer_window`): a window layer's queries read
+        only their last ``w`` keys.
     """
 
     pool: kv_pool.KVPool
     table: pt.PageTable
     scrub: bool = True
     impl: str = "xla"
+    layer_windows: tuple[int | None, ...] | None = None
 
     shares_pages = True
 
@@ -159,7 +163,8 @@ class PagedCache:
         the step reads whole rows without the plan's other hints (never fewer keys).
         """
         scores = dict(sm_scale=default_sm_scale(q.shape[-1], sm_scale),
-                      logit_soft_cap=logit_soft_cap)
+                      logit_soft_cap=logit_soft_cap,
+                      window=layer_window(self.layer_windows, layer))
         pages, offsets = pt.slot_mapping(self.table, step.positions, step.rows)
         block_tables = self.table.block_tables
         if step.rows is not None:
@@ -227,6 +232,8 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
     import pallas_kernels  # noqa: PLC0415
 
     interpret = jax.default_backend() != "gpu"
+    if scores.get("window") is None:
+        scores = {k: v for k, v in scores.items() if k != "window"}
     lengths = jnp.where(step.query_lengths > 0, step.lengths, 0)
     if q.shape[1] == 1:
         return pallas_kernels.paged_decode_attention(
@@ -239,13 +246,15 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
            page_size: int, max_seqs: int, max_len: int, dtype: jnp.dtype = jnp.float32,
-           scrub: bool = True, fill: float = 0.0, attention_impl: str = "auto") -> PagedCache:
+           scrub: bool = True, fill: float = 0.0, attention_impl: str = "auto",
+           layer_windows: tuple[int | None, ...] | None = None) -> PagedCache:
     """An empty paged cache of ``num_pages`` pages of ``page_size`` tokens for ``max_seqs``
     sequences of at most ``max_len`` tokens each, K/V in ``dtype`` (bfloat16 on a CPU is
     stored as bits: :mod:`pallas_kernels.kv_storage`; ``jnp.int8`` / ``jnp.float8_e4m3fn`` as 8-bit
     codes with per-token scales: :mod:`pallas_kernels.quant`). ``attention_impl``: "auto" (the Pallas
     kernels on a GPU where they serve this geometry, XLA elsewhere: :func:`resolve_impl`),
-    "pallas" or "xla"."""
+    "pallas" or "xla". ``layer_windows``: the model's (:attr:`paxkv.Model.layer_windows`), one
+    entry per layer: each window layer's queries see only their last ``w`` keys."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if max_len < 1:
@@ -256,4 +265,5 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                       max_pages_per_seq=max_pages_per_seq)
     pool = kv_pool.create(num_layers=num_layers, num_pages=num_pages, num_kv_heads=num_kv_heads,
                           page_size=page_size, head_dim=head_dim, dtype=dtype, fill=fill)
-    return PagedCache(pool=pool, table=table, scrub=scrub, impl=impl)
+    return PagedCache(pool=pool, table=table, scrub=scrub, impl=impl,
+                      layer_windows=check_windows(layer_windows, num_layers))

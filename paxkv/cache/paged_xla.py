@@ -11,6 +11,8 @@ over the whole window (always right; only slower). The window itself is checked 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -26,10 +28,15 @@ from paxkv.core.step_info import StepInfo
 
 def attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables: jax.Array,
            step: StepInfo, plan: AttentionPlan, *, page_size: int, sm_scale: float,
-           logit_soft_cap: float | None) -> jax.Array:
+           logit_soft_cap: float | None, window: jax.Array | None = None) -> jax.Array:
     """``q [b, t, H, Dh]`` over the pages of ``block_tables`` int32 ``[b, width]`` (every live
-    row's keys lie inside the width) -> ``[b, t, H, Dh]``."""
-    scores = dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
+    row's keys lie inside the width) -> ``[b, t, H, Dh]``. ``window``: the layer's sliding
+    window (int32 scalar, or None for a model with none); a windowed model's rows each read
+    their own keys (the plan's shared-prefix hint, whose pages every query sees whole, is
+    not taken)."""
+    scores = dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap, window=window)
+    if window is not None:
+        plan = dataclasses.replace(plan, prefix_pages=0)
     if q.shape[1] == 1:
         return _decode(pool, layer, q[:, 0], block_tables, step, plan, page_size,
                        scores)[:, None]

@@ -163,10 +163,14 @@ class Model(Protocol):
       params: a pytree, passed to ``forward`` traced (so one compiled step serves any values).
 
     Optional (used when present): ``encode(text) -> list[int]``, ``decode(ids) -> str`` (text
-    prompts and results), ``eos_token_ids: tuple[int, ...]`` (the default stop tokens), and a
+    prompts and results), ``eos_token_ids: tuple[int, ...]`` (the default stop tokens), a
     keyword ``forward(..., all_logits=True)`` returning logits ``[b, t, vocab]`` at every
-    position: :mod:`paxkv.scoring` then scores a whole continuation per step (without it, one
-    token a step).
+    position (:mod:`paxkv.scoring` then scores a whole continuation per step; without it, one
+    token a step), and ``layer_windows: tuple[int | None, ...]``, one entry per layer: None
+    for a global layer, ``w`` for a sliding-window layer whose queries see only their last
+    ``w`` keys (their own included). The model declares its windows and the cache applies them
+    (the caches paxkv builds for a model take ``layer_windows=model.layer_windows``); the
+    model's ``attend`` calls stay the same.
     """
 
     num_layers: int

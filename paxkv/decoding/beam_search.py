@@ -217,7 +217,8 @@ def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
         tokens[i, : len(x)] = x
     max_len = cdiv(width + n, ps) * ps
     dims = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
-                max_seqs=p * w, max_len=max_len, dtype=kv_dtype)
+                max_seqs=p * w, max_len=max_len, dtype=kv_dtype,
+                layer_windows=getattr(lm, "layer_windows", None))
     num_pages = p * (cdiv(width, ps) + w * (cdiv(n, ps) + 1))
     kv = _make_cache(cache, mesh, num_pages, ps, attention_impl, **dims)
     plan = NO_PLAN

@@ -21,16 +21,14 @@ shards fails (``ok`` False, nothing changes) and ``reorder`` drops a row whose p
 another shard (``ok`` False, as for an inactive parent): a page cannot be shared across
 shards, since its id means a different page in each.
 
-The engine sees the shards (:class:`paxkv.core.protocol.Shards`: :attr:`num_shards`,
-:attr:`rows_per_shard`, :meth:`shard_free_pages`): it places each new request in a row of the
-shard holding its cached prefix, else of the least-loaded one (:mod:`paxkv.engine.routing`),
-admits it against that shard's free pages, keeps forks in the parent's shard, preempts, when a
-shard runs dry, only that shard's requests, and keeps one prefix index per shard (a hit's pages
-attach only to a row of its shard: :meth:`attach`, :meth:`retain`). ``num_pages`` is the pages
-one row can draw on (``pages_per_shard``); :meth:`free_pages`, the one count a caller blind to
-shards gets, is the free pages of the fullest shard that still has a free row (a lower bound on
-what a new request finds). Exact figures: :attr:`total_pages`, :meth:`shard_free_pages`,
-:meth:`stats` (pool-wide) and :meth:`shard_stats`.
+The engine sees the shards (:class:`paxkv.core.protocol.Shards`): it routes each new request
+to a row of the shard holding its cached prefix, else of the least-loaded one
+(:mod:`paxkv.engine.routing`), admits it against that shard's free pages, keeps forks in the
+parent's shard, preempts only within a shard that runs dry, and keeps one prefix index per
+shard (:meth:`attach`, :meth:`retain`). ``num_pages`` is what one row can draw on
+(``pages_per_shard``); :meth:`free_pages` is the free pages of the fullest shard that still
+has a free row (a lower bound for a caller blind to shards); exact figures:
+:attr:`total_pages`, :meth:`shard_free_pages`, :meth:`stats`, :meth:`shard_stats`.
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ from paxkv.core.step_info import StepInfo
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pools", "tables"],
-                   meta_fields=["mesh", "scrub", "impl"])
+                   meta_fields=["mesh", "scrub", "impl", "layer_windows"])
 @dataclasses.dataclass(frozen=True)
 class ShardedPagedCache:
     """Paged KV for ``max_seqs`` rows split over the mesh's data axis.
@@ -73,7 +71,7 @@ class ShardedPagedCache:
       tables: every shard's page table, leaves ``[data, ...]`` on ``P("data")``; its static
         ``num_pages`` is ``pages_per_shard`` and its ids are shard-local.
       mesh: a ``("data", "model")`` mesh whose model axis divides ``kv_heads`` (static).
-      scrub, impl: as :class:`~paxkv.cache.paged.PagedCache`'s (static).
+      scrub, impl, layer_windows: as :class:`~paxkv.cache.paged.PagedCache`'s (static).
     """
 
     pools: kv_pool.KVPool
@@ -81,6 +79,7 @@ class ShardedPagedCache:
     mesh: Mesh
     scrub: bool = True
     impl: str = "xla"
+    layer_windows: tuple[int | None, ...] | None = None
 
     shares_pages = True
 
@@ -146,7 +145,8 @@ class ShardedPagedCache:
         return x.reshape(self.num_shards, self.rows_per_shard, *x.shape[1:])
 
     def _local(self, block: tuple[kv_pool.KVPool, pt.PageTable]) -> PagedCache:
-        return PagedCache(pool=block[0], table=block[1], scrub=self.scrub, impl=self.impl)
+        return PagedCache(pool=block[0], table=block[1], scrub=self.scrub, impl=self.impl,
+                          layer_windows=self.layer_windows)
 
     def per_device(self, fn: Callable[..., Any], *per_row: jax.Array,
                    row_specs: Any = pmesh.SHARDED, shared: Any = (),
@@ -275,8 +275,8 @@ class ShardedPagedCache:
 
 def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
            page_size: int, max_seqs: int, max_len: int, dtype: jnp.dtype = jnp.float32,
-           fill: float = 0.0, scrub: bool = True,
-           attention_impl: str = "xla") -> ShardedPagedCache:
+           fill: float = 0.0, scrub: bool = True, attention_impl: str = "xla",
+           layer_windows: tuple[int | None, ...] | None = None) -> ShardedPagedCache:
     """An empty sharded cache: ``num_pages`` and ``max_seqs`` split evenly over the mesh's
     data axis, each shard with its own sentinel page, ``num_kv_heads`` evenly over its model
     axis, the pool created in place on its devices (``fill``, ``dtype``: as
@@ -290,9 +290,10 @@ def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num
     one_shard = functools.partial(  # also checks the sizes and resolves attention_impl
         paged_cache.create, num_layers=num_layers, num_kv_heads=num_kv_heads,
         head_dim=head_dim, num_pages=pages, page_size=page_size, max_seqs=rows,
-        max_len=max_len, dtype=dtype, scrub=scrub, fill=fill, attention_impl=attention_impl)
-    impl = jax.eval_shape(one_shard).impl
-    if impl == "pallas" and model > 1:
+        max_len=max_len, dtype=dtype, scrub=scrub, fill=fill, attention_impl=attention_impl,
+        layer_windows=layer_windows)
+    shape = jax.eval_shape(one_shard)  # the impl and windows one shard resolves to
+    if shape.impl == "pallas" and model > 1:
         raise ValueError("the Pallas kernels do not run on a model axis yet: use "
                          "attention_impl='xla' on a (data, model) mesh with model > 1, or a "
                          "(data, 1) mesh")
@@ -305,4 +306,5 @@ def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num
     # each device builds only its blocks
     pools, tables = jax.jit(stacked, out_shardings=(pmesh.pool_sharding(mesh),
                                                     pmesh.sharded(mesh)))()
-    return ShardedPagedCache(pools=pools, tables=tables, mesh=mesh, scrub=scrub, impl=impl)
+    return ShardedPagedCache(pools=pools, tables=tables, mesh=mesh, scrub=scrub,
+                             impl=shape.impl, layer_windows=shape.layer_windows)
