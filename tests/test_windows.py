@@ -10,6 +10,8 @@ chunked prefill continuing a row, and a traced layer index (the model's layer sc
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,6 +108,43 @@ def test_window_layers_read_only_their_last_keys_in_paged_and_dense_caches():
         ([1, 1, 1, 0], 1, chunks),
         ([1, 1, 1, 1], 1, shared),
     ])
+
+
+def _poison_out_of_window(caches):
+    """NaN into every page (paged) or slot (dense) that lies wholly before the window of the
+    next step's first query in each window layer: what a released page may hold."""
+    paged, dense = caches["paged"], caches["dense"]
+    k, v = np.array(paged.pool.k), np.array(paged.pool.v)
+    dk, dv = np.array(dense.k), np.array(dense.v)
+    tables, lengths = np.asarray(paged.table.block_tables), np.asarray(paged.lengths)
+    for layer, window in enumerate(WINDOWS):
+        if window is None:
+            continue
+        for b in range(ROWS):
+            first_needed = max(0, int(lengths[b]) - window + 1)  # next step's first query
+            dead = first_needed // PAGE
+            k[layer, tables[b, :dead]] = v[layer, tables[b, :dead]] = np.nan
+            dk[layer, b, :, :first_needed] = dv[layer, b, :, :first_needed] = np.nan
+    caches["paged"] = dataclasses.replace(
+        paged, pool=dataclasses.replace(paged.pool, k=jnp.asarray(k), v=jnp.asarray(v)))
+    caches["dense"] = dataclasses.replace(dense, k=jnp.asarray(dk), v=jnp.asarray(dv))
+
+
+def test_pages_wholly_before_the_window_are_never_read():
+    """A window layer may release the pages its queries can no longer see: NaN there (and in
+    a dense row's slots before the window) must not reach any output."""
+    rng = np.random.default_rng(2)
+    caches = _caches()
+    history = [([np.zeros((0, KV_HEADS, DIM), np.float32)] * ROWS,
+                [np.zeros((0, KV_HEADS, DIM), np.float32)] * ROWS) for _ in WINDOWS]
+    history = [(list(a), list(b)) for a, b in history]
+    _run_steps(rng, caches, history, [([12, 10, 2, 12], 12, AttentionPlan()),
+                                      ([9, 12, 0, 7], 12, AttentionPlan())])
+    _poison_out_of_window(caches)
+    _run_steps(rng, caches, history, [([1, 1, 1, 1], 1, AttentionPlan()),
+                                      ([1, 1, 0, 1], 1, AttentionPlan(decode_chunks=4))])
+    _poison_out_of_window(caches)
+    _run_steps(rng, caches, history, [([3, 5, 2, 1], 5, AttentionPlan())])
 
 
 def test_full_forward_applies_the_windows():

@@ -89,12 +89,16 @@ def _masked_scores(q_grouped: jax.Array, k_blocks: jax.Array, v_blocks: jax.Arra
     Returns:
       ``(scores, v_live)``: float32 ``[b, t, kv_heads, group, m, s]`` (-inf where not
       visible) and ``v_blocks`` with every key past ``lengths`` zeroed (0 * NaN would still
-      be NaN).
+      be NaN), and with a ``window`` every key before the first query's window zeroed too
+      (a page a sliding-window layer released may hold anything).
     """
     _, num_blocks, _, block_size, _ = k_blocks.shape
     in_blocks = jnp.arange(num_blocks)[:, None] * block_size + jnp.arange(block_size)[None]
     key_pos = first_key + in_blocks  # [m, s]
     key_live = key_pos[None] < lengths[:, None, None]  # [b, m, s]
+    if window is not None:  # keys before every query's window: not read, V zeroed too
+        first_q = jnp.min(jnp.where(q_positions >= 0, q_positions, NO_WINDOW), axis=1)
+        key_live &= in_window(key_pos[None], first_q[:, None, None], window)
     visible = key_live[:, None] & (key_pos[None, None] <= q_positions[:, :, None, None])
     visible &= (q_positions >= 0)[:, :, None, None]  # [b, t, m, s]
     if window is not None:
