@@ -162,35 +162,47 @@ class PagedCache:
         The step's plan window is checked: when a live row holds more tokens than the window,
         the step reads whole rows without the plan's other hints (never fewer keys).
         """
-        scores = dict(sm_scale=default_sm_scale(q.shape[-1], sm_scale),
-                      logit_soft_cap=logit_soft_cap,
-                      window=layer_window(self.layer_windows, layer))
-        pages, offsets = pt.slot_mapping(self.table, step.positions, step.rows)
-        block_tables = self.table.block_tables
-        if step.rows is not None:
-            block_tables = block_tables[step.rows]
-        if self.impl == "pallas":
-            pool = _pallas_write(self.pool, layer, k, v, pages, offsets)
-        else:
-            pool = kv_pool.write(self.pool, layer, k, v, pages, offsets)
-
-        def read(tables: jax.Array, plan: AttentionPlan) -> jax.Array:
-            if self.impl == "pallas":
-                return _pallas_attend(pool, layer, q, tables, step, scores)
-            return paged_xla.attend(pool, layer, q, tables, step, plan,
-                                    page_size=self.page_size, **scores)
-
-        plan, width = step.plan, block_tables.shape[1]
-        window = width if plan.window is None else min(width, buckets.cdiv(plan.window,
-                                                                            self.page_size))
-        if window == width:
-            out = read(block_tables, plan)
-        else:
-            live = step.query_lengths > 0
-            fits = jnp.all(~live | (step.lengths <= window * self.page_size))
-            out = lax.cond(fits, lambda: read(block_tables[:, :window], plan),
-                           lambda: read(block_tables, NO_PLAN))
+        pool, out = attend_pages(self.pool, self.table, self.impl, layer, q, k, v, step,
+                                 sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+                                 window=layer_window(self.layer_windows, layer))
         return dataclasses.replace(self, pool=pool), out
+
+
+def attend_pages(pool: kv_pool.KVPool, table: pt.PageTable, impl: str, layer: jax.Array,
+                 q: jax.Array, k: jax.Array, v: jax.Array, step: StepInfo, *,
+                 sm_scale: float | None, logit_soft_cap: float | None,
+                 window: jax.Array | None) -> tuple[kv_pool.KVPool, jax.Array]:
+    """:meth:`PagedCache.attend` over any (pool, table) pair: writes ``k``, ``v`` into the
+    slots ``table`` maps this step's positions to (in pool layer ``layer``), then attends with
+    ``q`` over ``table``'s pages -> ``(pool, [b, t, H, Dh])``. ``window``: the layer's sliding
+    window (int32 scalar) or None. The layer-grouped cache calls it with a view of one group's
+    table over its flat pool."""
+    scores = dict(sm_scale=default_sm_scale(q.shape[-1], sm_scale),
+                  logit_soft_cap=logit_soft_cap, window=window)
+    page_size = table.page_size
+    pages, offsets = pt.slot_mapping(table, step.positions, step.rows)
+    block_tables = table.block_tables
+    if step.rows is not None:
+        block_tables = block_tables[step.rows]
+    if impl == "pallas":
+        pool = _pallas_write(pool, layer, k, v, pages, offsets)
+    else:
+        pool = kv_pool.write(pool, layer, k, v, pages, offsets)
+
+    def read(tables: jax.Array, plan: AttentionPlan) -> jax.Array:
+        if impl == "pallas":
+            return _pallas_attend(pool, layer, q, tables, step, scores)
+        return paged_xla.attend(pool, layer, q, tables, step, plan,
+                                page_size=page_size, **scores)
+
+    plan, width = step.plan, block_tables.shape[1]  # the plan's window: the rows' span
+    span = width if plan.window is None else min(width, buckets.cdiv(plan.window, page_size))
+    if span == width:
+        return pool, read(block_tables, plan)
+    live = step.query_lengths > 0
+    fits = jnp.all(~live | (step.lengths <= span * page_size))
+    return pool, lax.cond(fits, lambda: read(block_tables[:, :span], plan),
+                          lambda: read(block_tables, NO_PLAN))
 
 
 def _pallas_write(pool: kv_pool.KVPool, layer: jax.Array, k: jax.Array, v: jax.Array,

@@ -156,6 +156,37 @@ def fork(table: PageTable, parents: jax.Array, children: jax.Array) -> tuple[Pag
         active=table.active.at[target].set(True, mode="drop")), ok
 
 
+def slide(table: PageTable, keep_from: jax.Array) -> tuple[PageTable, jax.Array]:
+    """Releases, in every active row, the pages that lie wholly before position
+    ``keep_from[b]`` (int32 ``[max_seqs]``): a sliding-window layer group's pages once no
+    query of the row can see them again. Their block-table cells become the sentinel and their
+    ref counts drop, so a page nobody else holds (a forked sibling, the prefix index) is free
+    in the returned table, inside the same jitted step; the row's length is unchanged::
+
+        window 6, page 4, lengths[b] = 14, next query at 14 sees keys 9..14: keep_from = 9
+        row b: [ 4, 1, 7, 2 ]  ->  [ S, S, 7, 2 ]   (keys 0..7 are out of every future window)
+
+    One pass over the block tables. Returns ``(table, released)``: int32 ``[max_seqs]`` cells
+    each row gave up (0 for a row with nothing before ``keep_from``).
+    """
+    keep_from = jnp.asarray(keep_from, jnp.int32)
+    block = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :]
+    dead = ((block < (keep_from // table.page_size)[:, None]) & table.active[:, None]
+            & (table.block_tables != table.sentinel))
+    dropped = jnp.where(dead, table.block_tables, table.num_pages + 1)
+    return dataclasses.replace(
+        table, ref_counts=table.ref_counts.at[dropped].add(-1, mode="drop"),
+        block_tables=jnp.where(dead, table.sentinel, table.block_tables)
+    ), jnp.sum(dead, axis=1, dtype=jnp.int32)
+
+
+def pages_referenced(table: PageTable) -> jax.Array:
+    """int32 ``[max_seqs]``: block-table cells each row points at a real page. Equals
+    :meth:`PageTable.pages_held` (``ceil(lengths / page_size)``) until :func:`slide` drops a
+    row's leading pages; a window group's rows hold this many."""
+    return jnp.sum(table.block_tables != table.sentinel, axis=1, dtype=jnp.int32)
+
+
 def retain(table: PageTable, pages: jax.Array, delta: int = 1) -> PageTable:
     """Adds ``delta`` references to each page in ``pages`` (int32 ``[n]``; ids past the pool are
     ignored): how an external holder such as a prefix index keeps pages alive."""
