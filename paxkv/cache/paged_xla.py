@@ -64,7 +64,7 @@ def _prefill(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, block_tables:
     def cascade() -> jax.Array:
         rest = block_tables[:, prefix_pages:]
         return attend_blocks_with_prefix(q, *pool.read(layer, shared), *pool.read(layer, rest),
-                                         step.positions, step.lengths, **scores)
+                                         step.positions, step.lengths, **_whole(scores))
 
     holds = prefix_holds(block_tables, shared, live, step.positions, prefix_pages * page_size)
     return lax.cond(holds, cascade, per_row)
@@ -140,4 +140,11 @@ def _shared_partial(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array, shared
     kv_heads = pool.k.shape[2]
     q_grouped = q.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)
     return partials.Partial(*attend_shared_pages(q_grouped, *pool.read(layer, shared), live,
-                                                **scores))
+                                                **_whole(scores)))
+
+
+def _whole(scores: dict) -> dict:
+    """The score settings for cascade attention's shared pages, which every query sees whole:
+    taken only when no layer slides (:func:`attend` drops the hint otherwise)."""
+    assert scores["window"] is None, "cascade over a sliding-window layer"
+    return {k: v for k, v in scores.items() if k != "window"}
