@@ -105,18 +105,3 @@ def arena_page_map(arena: Arena, held: dict[Any, int], page_size: int) -> dict[s
                 fill=filled.reshape(-1, page_size).sum(1).tolist(),
                 shared=[False] * (arena.size // page_size))
 
-
-def provenance() -> dict[str, Any]:
-    """The commit and the uncommitted source files as the run *starts* (``record`` reads the
-    SHA when the run ends; on a shared working tree the two can differ)."""
-    import subprocess
-
-    from experiments.common import git_sha
-
-    try:
-        status = subprocess.run(["git", "status", "--porcelain", "--", "paxkv", "models",
-                                 "pallas_kernels", "experiments"], capture_output=True,
-                                text=True, check=True).stdout.splitlines()
-    except (OSError, subprocess.CalledProcessError):
-        status = ["unknown"]
-    return dict(git_sha_at_start=git_sha(), uncommitted_at_start=status)

@@ -28,7 +28,7 @@ import statistics
 from typing import Any
 
 from paxkv import models
-from experiments.common import print_table, record, write_json
+from experiments.common import fill_defaults, parser, print_table, record, result_name, write_json
 from paxkv.decoding.beam_search import SearchResult, search
 
 WIDTH, PAGE_SIZE = 4, 16
@@ -143,19 +143,14 @@ def print_report(steps: list[dict], mem: dict, tot: dict | None) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap = parser(__doc__)
     ap.add_argument("--contexts", type=int, nargs="+")
     ap.add_argument("--new", type=int, help="new tokens per step-time run (steps + 1)")
     ap.add_argument("--repeats", type=int, help="timed runs per cell (median)")
     ap.add_argument("--memory-new", type=int, help="new tokens in the memory run")
-    args = ap.parse_args(argv)
-    quick = args.quick
-    args.contexts = args.contexts or ([256, 1024] if quick else [256, 1024, 2048])
-    args.new = args.new or (6 if quick else 17)
-    args.repeats = args.repeats or (1 if quick else 3)
-    args.memory_new = args.memory_new or (32 if quick else 64)
-    return args
+    return fill_defaults(ap.parse_args(argv),
+                         quick=dict(contexts=[256, 1024], new=6, repeats=1, memory_new=32),
+                         full=dict(contexts=[256, 1024, 2048], new=17, repeats=3, memory_new=64))
 
 
 def main(argv=None) -> None:
@@ -174,7 +169,7 @@ def main(argv=None) -> None:
     config = dict(vars(args), width=WIDTH, page_size=PAGE_SIZE, model=lm.name, dtype="float32",
                   attention="xla", targets=TARGETS)
     results = dict(step_time=steps, memory=mem, tree_of_thought=tot, targets_met=targets)
-    write_json("branching_quick" if args.quick else "branching", record(config, results))
+    write_json(result_name("branching", args.quick), record(config, results))
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ import numpy as np
 
 from paxkv import models
 import paxkv
-from experiments.accounting import paged_page_map, provenance
-from experiments.common import print_table, record, write_json
+from experiments.accounting import paged_page_map
+from experiments.common import finish, parser, print_table, provenance, record, result_name
 from experiments.table_ops import host_table, random_ops, summarize_cancels
 from paxkv.engine import cache_ops
 from paxkv.table import page_table as pt
@@ -303,8 +303,7 @@ def report(ops: dict, eng: dict, shared: dict, fork: dict) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1,000 ops, 12 engine requests")
+    ap = parser(__doc__, quick="1,000 ops, 12 engine requests")
     ap.add_argument("--ops", type=int, default=10_000)
     ap.add_argument("--requests", type=int, default=24, help="engine requests (part 2)")
     ap.add_argument("--children", type=int, default=4, help="forked rows (part 3)")
@@ -336,9 +335,8 @@ def run(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rec = run(args, models.load())
-    write_json("cancel_quick" if args.quick else "cancel", rec)
-    if not rec["results"]["all_checks_passed"]:
-        raise SystemExit("a cancellation check failed")
+    finish(result_name("cancel", args.quick), rec, rec["results"]["all_checks_passed"],
+           "a cancellation check failed")
 
 
 if __name__ == "__main__":

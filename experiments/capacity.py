@@ -62,8 +62,9 @@ import numpy as np
 from paxkv import models
 import paxkv
 from experiments.accounting import (Arena, CompileClock, arena_page_map, dense_page_map,
-                                    paged_page_map, provenance)
-from experiments.common import clock, print_table, record, write_json
+                                    paged_page_map)
+from experiments.common import (clock, finish, parser, print_table, prose_tokens, provenance,
+                                record, result_name)
 from paxkv.table import page_table as pt
 from paxkv.engine import policy
 
@@ -100,16 +101,9 @@ def sample_lengths(n: int, max_len: int, *, prompt_median: float, prompt_sigma: 
 
 def make_requests(lm: Any, lengths: np.ndarray) -> list[tuple[list[int], int]]:
     """``(prompt_ids, max_new_tokens)`` per row of ``lengths``: consecutive slices of the
-    pydoc topics token stream (ids folded into the model's vocabulary)."""
-    from pydoc_data.topics import topics
-
-    need, stream = int(lengths[:, 0].sum()), []
-    names = sorted(topics)
-    while len(stream) < need:
-        for name in names:
-            stream += lm.encode(topics[name].strip() + "\n\n")
-            if len(stream) >= need:
-                break
+    pydoc topics token stream (:func:`experiments.common.prose_tokens`; ids folded into the
+    model's vocabulary)."""
+    stream = prose_tokens(lm, int(lengths[:, 0].sum()))
     vocab = lm.config.vocab_size
     ends = np.cumsum(lengths[:, 0])
     return [([t % vocab for t in stream[e - p: e]], int(o))
@@ -309,8 +303,7 @@ QUICK = dict(max_len=64, page_size=4, paged_rows=16, requests=24, prompt_median=
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small smoke run: " + str(QUICK))
+    ap = parser(__doc__, quick="small smoke run: " + str(QUICK))
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--budget-seqs", type=int, default=3,
@@ -395,9 +388,8 @@ def run(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rec = run(args, models.load())
-    write_json("capacity_quick" if args.quick else "capacity", rec)
-    if not rec["results"]["outputs_identical"]:
-        raise SystemExit("the systems' greedy tokens disagree: no figure stands")
+    finish(result_name("capacity", args.quick), rec, rec["results"]["outputs_identical"],
+           "the systems' greedy tokens disagree: no figure stands")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""What every experiment shares: a reproducible record, a JSON file, a plain-text table."""
+"""What every experiment shares: its command line, a reproducible record (config, versions,
+device, git SHA) written as JSON, a plain-text table, and every timing."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import platform
@@ -16,6 +19,32 @@ import jax
 RESULTS_DIR = os.environ.get("PAXKV_RESULTS", "results")
 
 
+# -- the command line ----------------------------------------------------------------------------
+def parser(doc: str, quick: str | None = "small sizes: a smoke run") -> argparse.ArgumentParser:
+    """An experiment's argument parser: the first paragraph of its docstring ``doc`` as the
+    description and, unless ``quick`` is None, a ``--quick`` flag with that help."""
+    ap = argparse.ArgumentParser(description=" ".join(doc.strip().split("\n\n")[0].split()))
+    if quick is not None:
+        ap.add_argument("--quick", action="store_true", help=quick)
+    return ap
+
+
+def fill_defaults(args: argparse.Namespace, *, quick: Mapping[str, Any],
+                  full: Mapping[str, Any]) -> argparse.Namespace:
+    """Every field of ``quick`` (with ``--quick``) or ``full`` that the command line left
+    unset (None) takes that value; returns ``args``."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
+def result_name(base: str, quick: bool = False, *variants: str) -> str:
+    """``results/<name>.json``'s name: ``base``, ``_quick`` for a smoke run, then each
+    non-empty variant (``decode_sweep_quick_bfloat16``)."""
+    return "_".join([base, *(["quick"] if quick else []), *(v for v in variants if v)])
+
+
 def git_sha() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -24,20 +53,52 @@ def git_sha() -> str:
         return "unknown"
 
 
+def provenance() -> dict[str, Any]:
+    """The time, the commit and the uncommitted source files as the run *starts* (``record``
+    reads the SHA when the run ends; on a shared working tree the two can differ). Put it in
+    the config: ``record(dict(vars(args), **provenance()), ...)``."""
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--", "paxkv", "models",
+                                 "pallas_kernels", "experiments"], capture_output=True,
+                                text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        status = ["unknown"]
+    return dict(started=time.strftime("%Y-%m-%d %H:%M:%S"), git_sha_at_start=git_sha(),
+                uncommitted_at_start=status)
+
+
 def record(config: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
-    """Results with the config, versions, device and git SHA that produced them."""
+    """Results with the config, versions, device and git SHA that produced them (``time``:
+    when the run ended)."""
+    try:
+        jaxlib = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        jaxlib = "unknown"
+    dev = jax.devices()[0]
     return dict(config=config, results=results, git_sha=git_sha(), jax=jax.__version__,
-                device=str(jax.devices()[0]), backend=jax.default_backend(),
+                jaxlib=jaxlib, python=platform.python_version(), device=str(dev),
+                device_kind=dev.device_kind, backend=jax.default_backend(),
                 machine=f"{platform.machine()}, {os.cpu_count()} cpus",
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
-def write_json(name: str, data: dict[str, Any]) -> str:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"{name}.json")
+def write_json(name: str, data: dict[str, Any], path: str | None = None) -> str:
+    """``data`` as ``results/<name>.json`` (or at ``path``); returns the path."""
+    path = path or os.path.join(RESULTS_DIR, f"{name}.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
     print(f"\nwrote {path}")
+    return path
+
+
+def finish(name: str, data: dict[str, Any], ok: bool = True,
+           failed: str = "a correctness check failed: no figure stands") -> str:
+    """Writes the record, then exits non-zero if the run's own correctness check failed
+    (``ok`` False): the JSON stays for a look, but no figure stands for a wrong answer."""
+    path = write_json(name, data)
+    if not ok:
+        raise SystemExit(failed)
     return path
 
 
@@ -110,22 +171,43 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+class Stopwatch:
+    """Wall and CPU (:func:`cpu_seconds`) time since it was made: a whole run's cost."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), cpu_seconds()
+
+    def elapsed(self) -> dict[str, float]:
+        """``wall_s`` and ``cpu_s`` so far (the record's keys)."""
+        return dict(wall_s=time.perf_counter() - self.wall, cpu_s=cpu_seconds() - self.cpu)
+
+
+# -- text to run on: CPython's own prose, available offline ------------------------------------
+def prose_tokens(lm: Any, n: int) -> list[int]:
+    """The first ``n`` tokens of CPython's ``pydoc_data.topics`` (the Language Reference text
+    behind ``help()``), each topic's text in sorted order, stripped, followed by a blank line,
+    tokenized by ``lm`` one topic at a time."""
+    from pydoc_data.topics import topics
+
+    stream: list[int] = []
+    for name in sorted(topics):
+        if len(stream) >= n:
+            break
+        stream += lm.encode(topics[name].strip() + "\n\n")
+    if len(stream) < n:
+        raise ValueError(f"pydoc topics give {len(stream)} tokens, {n} needed")
+    return stream[:n]
+
+
 # -- shared by experiments that run a workload in subprocesses (offline.py, sharing.py) ---------
 def english_prompts(lm: Any, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     """``n`` consecutive, non-overlapping windows of ``lo..hi`` tokens (lengths seeded) cut from
     real English prose available offline: CPython's ``pydoc_data.topics`` (the Language
     Reference text behind ``help()``), topics in sorted order, tokenized by ``lm``."""
     import numpy as np
-    from pydoc_data.topics import topics
 
     lengths = np.random.default_rng(seed).integers(lo, hi + 1, n)
-    stream: list[int] = []
-    for name in sorted(topics):
-        if len(stream) >= lengths.sum():
-            break
-        stream += lm.encode(topics[name].strip() + "\n\n")
-    if len(stream) < lengths.sum():
-        raise ValueError(f"pydoc topics give {len(stream)} tokens, {lengths.sum()} needed")
+    stream = prose_tokens(lm, int(lengths.sum()))
     ends = np.cumsum(lengths)
     return [stream[e - k: e] for e, k in zip(ends, lengths)]
 

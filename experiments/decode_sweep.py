@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from paxkv import models
-from experiments.common import cpu_seconds, print_table, record, timed_rounds, write_json
+from experiments.common import (Stopwatch, fill_defaults, finish, parser, print_table, record,
+                                result_name, timed_rounds)
 from experiments.hashed_kv import decode, filled_cache, kv_bytes, step_logits, window_plan
 
 TARGETS = dict(paged_vs_dense=0.9, attention_share=0.5)
@@ -174,8 +174,7 @@ def targets(result: dict[str, Any], kv_dtype: str = "float32") -> list[list[str]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap = parser(__doc__)
     ap.add_argument("--batches", type=int, nargs="+")
     ap.add_argument("--contexts", type=int, nargs="+")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (compile)")
@@ -186,12 +185,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
                     help="K/V dtype (bfloat16: half the bytes; on a CPU stored as bits, "
                     "pallas_kernels.kv_storage; int8: codes + per-token scales, pallas_kernels.quant)")
-    args = ap.parse_args(argv)
-    full = dict(batches=[1, 8, 32, 64], contexts=[128, 512, 2048], check_cell=[8, 512])
-    quick = dict(batches=[1, 8], contexts=[128], check_cell=[4, 128])
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    args = fill_defaults(ap.parse_args(argv),
+                         full=dict(batches=[1, 8, 32, 64], contexts=[128, 512, 2048],
+                                   check_cell=[8, 512]),
+                         quick=dict(batches=[1, 8], contexts=[128], check_cell=[4, 128]))
     if 2 * (args.warmup + args.repeats) >= min(args.contexts) // 2:
         ap.error("2 * (warmup + repeats) steps must fit in half the smallest context")
     return args
@@ -199,17 +196,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    wall, cpu = time.perf_counter(), cpu_seconds()
+    watch = Stopwatch()
     result = sweep(models.load(), args)
     rows = targets(result, args.kv_dtype)
     print("\n## targets (reported, not asserted)\n")
     print_table(["figure", "measured", "target", "met"], rows)
-    result.update(targets=rows, wall_s=time.perf_counter() - wall, cpu_s=cpu_seconds() - cpu)
-    name = ("decode_sweep" + ("_quick" if args.quick else "")
-            + ("" if args.kv_dtype == "float32" else f"_{args.kv_dtype}"))
-    write_json(name, record(vars(args), result))
-    if not result["logits_check"]["passed"]:
-        raise SystemExit("paged and dense disagree: no speed figure stands for a wrong answer")
+    result.update(targets=rows, **watch.elapsed())
+    finish(result_name("decode_sweep", args.quick,
+                       "" if args.kv_dtype == "float32" else args.kv_dtype),
+           record(vars(args), result), result["logits_check"]["passed"],
+           "paged and dense disagree: no speed figure stands for a wrong answer")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ cache, so the table compares paging alone (``experiments.sharing`` measures shar
 
 from __future__ import annotations
 
-import argparse
 
 from paxkv import models
 import paxkv
-from experiments.common import print_table, record, timed, write_json
+from experiments.common import finish, parser, print_table, record, timed
 
 SYSTEM = (
     "You are Pax, a patient and precise assistant for a public library. Answer in two or three "
@@ -72,7 +71,7 @@ def run(lm, cache: str, prompts: list[list[int]], args) -> tuple[list, dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, quick=None)
     ap.add_argument("--users", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=1024,
@@ -106,10 +105,9 @@ def main() -> None:
     print_table(["cache", "slots in use (peak)", "slots reserved", "KV MiB in use",
                  "KV MiB reserved", "tok/s", "seqs in dense budget"], rows)
     print(f"\npaged and dense outputs identical: {agree}")
-    write_json("demo", record(vars(args), {"paged": paged_row, "dense": dense_row,
-                                           "outputs_identical": agree}))
-    if not agree:
-        raise SystemExit("paged and dense disagree: no figure stands for a wrong answer")
+    finish("demo", record(vars(args), {"paged": paged_row, "dense": dense_row,
+                                       "outputs_identical": agree}),
+           agree, "paged and dense disagree: no figure stands for a wrong answer")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.common import english_prompts, print_table, record, write_json
+from experiments.common import (english_prompts, fill_defaults, parser, print_table, record,
+                                result_name, write_json)
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -201,8 +202,7 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap = parser(__doc__)
     ap.add_argument("--questions", type=int)
     ap.add_argument("--mc-lens", type=int, nargs=2, metavar=("MIN", "MAX"))
     ap.add_argument("--fewshot-lens", type=int, nargs=2, metavar=("MIN", "MAX"))
@@ -213,13 +213,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-threads", type=int, default=1,
                     help="torch threads (0: torch's default). 1: on this shared 2-core machine "
                     "two OpenMP threads ran small matmuls ~15x slower (NOTES.md)")
-    args = ap.parse_args(argv)
-    full = dict(questions=48, mc_lens=[300, 600], fewshot_lens=[60, 100], shots=5)
-    quick = dict(questions=8, mc_lens=[40, 80], fewshot_lens=[20, 40], shots=2)
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    return args
+    return fill_defaults(ap.parse_args(argv),
+                         full=dict(questions=48, mc_lens=[300, 600], fewshot_lens=[60, 100],
+                                   shots=5),
+                         quick=dict(questions=8, mc_lens=[40, 80], fewshot_lens=[20, 40], shots=2))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -229,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = dict(vars(args), text_source=f"pydoc_data.topics (CPython "
                   f"{sys.version.split()[0]}), consecutive windows")
     data = record(config, dict(runs=out, checks=checks))
-    write_json("evaluate_quick" if args.quick else "evaluate", data)
+    write_json(result_name("evaluate", args.quick), data)
     return data
 
 

@@ -23,7 +23,6 @@ Writes ``results/gpu_model.json`` and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv import models
-from experiments.common import print_table, timed_rounds, write_json
+from experiments.common import parser, print_table, provenance, record, timed_rounds, write_json
 from experiments.hashed_kv import filled_cache, step_logits, window_plan
 from paxkv.models.params import build_params, checkpoint_shapes
 from paxkv.cache import paged as paged_cache
@@ -130,7 +129,7 @@ def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dic
 
 
 def main(argv=None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, quick=None)
     ap.add_argument("--tiny", action="store_true", help="2 layers, interpret mode on CPU")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
@@ -142,6 +141,7 @@ def main(argv=None) -> dict[str, Any]:
         import dataclasses  # noqa: PLC0415
         config = dataclasses.replace(config, num_layers=2)
         args.warmup, args.repeats = 1, 2
+    started = provenance()
     lm = random_model(config)
     dev = jax.devices()[0]
     print(f"device {dev.platform}:{dev.device_kind}, jax {jax.__version__}", flush=True)
@@ -165,8 +165,7 @@ def main(argv=None) -> dict[str, Any]:
                   f"{r['paged_pallas_tok_s']:.0f}", f"{r['pallas_vs_xla']:.2f}x",
                   f"{r['pallas_vs_dense']:.2f}x", f"{r['pallas_logit_rel_err']:.1e}",
                   r["argmax_equal"]] for r in ok])
-    result = dict(model=lm.name, config=vars(args), device=f"{dev.platform}:{dev.device_kind}",
-                  jax=jax.__version__, prefill=pre, cells=rows)
+    result = record(dict(vars(args), model=lm.name, **started), dict(prefill=pre, cells=rows))
     write_json("gpu_model_tiny" if args.tiny else "gpu_model", result)
     return result
 

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv import (dense_cache, kv_storage, page_table as pt, paged_cache, pool as kv_pool, quant,
-                   steps)
+from pallas_kernels import kv_storage, quant
+from paxkv import dense_cache, page_table as pt, paged_cache, pool as kv_pool, steps
 from paxkv.core.plan import AttentionPlan
 from paxkv.core.step_info import StepInfo
 

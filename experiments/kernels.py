@@ -18,20 +18,14 @@ Writes ``results/kernels.json`` (config, versions, device, git SHA, rows) and pr
 
 from __future__ import annotations
 
-import argparse
 import functools
-import importlib.metadata
-import json
-import pathlib
-import platform
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import timed
+from experiments.common import parser, provenance, record, result_name, timed, write_json
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_decode_attention_reference
 from pallas_kernels import quant
@@ -47,8 +41,7 @@ TUNE_GRID = [(ppb, splits) for ppb in (4, 8) for splits in (1, 2, 4, 8, 16, 32)]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="two small points, few iterations")
+    p = parser(__doc__, quick="two small points, few iterations")
     p.add_argument("--interpret", action="store_true", help="tiny CPU run in interpret mode")
     p.add_argument("--tune", action="store_true",
                    help="the paxkv kernel alone over pages_per_block x num_splits")
@@ -58,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
-                   help="JSON path (default results/kernels.json, or kernels_interpret.json)")
+                   help="JSON path (default results/kernels[_quick|_interpret|_tune].json)")
     return p.parse_args(argv)
 
 
@@ -180,22 +173,6 @@ def format_row(r):
             f"  {status}")
 
 
-def provenance(args):
-    def git(*cmd):
-        try:
-            return subprocess.run(["git", *cmd], capture_output=True, text=True,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    dev = jax.devices()[0]
-    return dict(config=vars(args), git_sha=git("rev-parse", "HEAD"),
-                git_dirty=bool(git("status", "--porcelain")),
-                device=f"{dev.platform}:{dev.device_kind}",
-                versions=dict(jax=jax.__version__, jaxlib=importlib.metadata.version("jaxlib"),
-                              python=platform.python_version()))
-
-
 def main(argv=None):
     args = parse_args(argv)
     if jax.default_backend() != "gpu" and not args.interpret:
@@ -207,18 +184,16 @@ def main(argv=None):
              else QUICK_SWEEP if args.quick else FULL_SWEEP)
     if args.quick:
         args.iters = min(args.iters, 5)
+    started = provenance()
     copy_bps = copy_rate(args.interpret)
     print(f"device-to-device copy: {copy_bps / 1e9:.1f} GB/s\n"
           f"{'batch':>5} {'ctx':>6} {'page':>4}  {'impl':20s} {'median':>12} {'bandwidth':>13}"
           " of copy")
     rows = [r for point in sweep for r in run_point(args, point, copy_bps, args.interpret)]
-    out = pathlib.Path(args.out or ("results/kernels_interpret.json" if args.interpret
-                                    else "results/kernels_tune.json" if args.tune
-                                    else "results/kernels.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(**provenance(args), copy_gbps=copy_bps / 1e9, rows=rows),
-                              indent=2))
-    print(f"wrote {out}")
+    name = ("kernels_interpret" if args.interpret else "kernels_tune" if args.tune
+            else result_name("kernels", args.quick))
+    write_json(name, record(dict(vars(args), **started), dict(copy_gbps=copy_bps / 1e9, rows=rows)),
+               path=args.out)
     return rows
 
 

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import capacity
-from experiments.common import cpu_seconds, print_table, record, timed_rounds, write_json
+from experiments.common import (Stopwatch, fill_defaults, parser, print_table, prose_tokens, record,
+                                result_name, timed_rounds, write_json)
 from experiments.hashed_kv import PAGE_SIZE, decode, filled_cache, kv_bytes, window_plan
 from paxkv import models
 from paxkv.cache import paged as paged_cache
@@ -48,17 +49,7 @@ TARGETS = dict(int8_vs_bf16_tokens=1.85, int8_vs_f32_tokens=3.7, ppl_pct=0.5, to
 
 
 # -- quality: teacher-forced real text -------------------------------------------------------
-def real_text(lm, n: int) -> list[int]:
-    """The first ``n`` tokens of CPython's ``pydoc_data.topics`` prose, topics in sorted order
-    (what ``experiments.common.english_prompts`` cuts its prompts from)."""
-    from pydoc_data.topics import topics
-
-    stream: list[int] = []
-    for name in sorted(topics):
-        stream += lm.encode(topics[name].strip() + "\n\n")
-        if len(stream) >= n:
-            return stream[:n]
-    raise ValueError(f"pydoc topics give {len(stream)} tokens, {n} needed")
+real_text = prose_tokens  # the first n tokens of CPython's prose (tests/test_int8.py too)
 
 
 @functools.partial(jax.jit, static_argnames=("forward",), donate_argnums=(2,))
@@ -230,8 +221,7 @@ def targets(result: dict[str, Any]) -> list[list[str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap = parser(__doc__)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"],
                     help="K/V dtypes; the first is the quality reference")
     ap.add_argument("--batches", type=int, nargs="+")
@@ -242,12 +232,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5, help="timed decode steps (median)")
     ap.add_argument("--interleave-gib", type=float, default=6.0,
                     help="alternate dtypes step by step when their caches fit in this")
-    args = ap.parse_args(argv)
-    full = dict(batches=[32, 64], contexts=[512, 2048], tokens=2048, chunk=512)
-    quick = dict(batches=[4], contexts=[128], tokens=256, chunk=128)
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    args = fill_defaults(ap.parse_args(argv),
+                         full=dict(batches=[32, 64], contexts=[512, 2048], tokens=2048, chunk=512),
+                         quick=dict(batches=[4], contexts=[128], tokens=256, chunk=128))
     if args.warmup + args.repeats >= min(args.contexts) // 2:
         ap.error("warmup + repeats decode steps must fit in half the smallest context")
     return args
@@ -255,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    wall, cpu = time.perf_counter(), cpu_seconds()
+    watch = Stopwatch()
     lm = models.load()
     dtypes = list(args.dtypes)
     result: dict[str, Any] = dict(capacity=capacity_fit(lm, dtypes))
@@ -276,9 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     if goals:
         print("\n## targets (reported, not asserted)\n")
         print_table(["figure", "measured", "target", "met"], goals)
-    result.update(table=[header, *rows], targets=goals, wall_s=time.perf_counter() - wall,
-                  cpu_s=cpu_seconds() - cpu)
-    write_json("kv_dtype" + ("_quick" if args.quick else ""), record(vars(args), result))
+    result.update(table=[header, *rows], targets=goals, **watch.elapsed())
+    write_json(result_name("kv_dtype", args.quick), record(vars(args), result))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.common import print_table, record, write_json  # noqa: E402
+from experiments.common import parser, print_table, record, result_name, write_json  # noqa: E402
 from paxkv.scale import mesh as pmesh
 from paxkv.cache import paged as paged_cache
 from paxkv.scale import sharded_cache
@@ -145,8 +145,7 @@ def engine_tokens(lm, mesh: tuple[int, int] | None,
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model dims, 2 meshes checked")
+    ap = parser(__doc__, quick="tiny model dims, 2 meshes checked")
     ap.add_argument("--pages", type=int, default=2048, help="pool pages (all shards)")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     ap.add_argument("--budget-mib", type=int, default=512, help="K/V bytes per device")
@@ -190,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = dict(vars(args), dims=dims, devices=len(jax.devices()))
     data = record(config, dict(memory=mem, collectives=coll, correctness=correct,
                                note="forced CPU devices share two cores: no timing here"))
-    write_json("mesh_quick" if args.quick else "mesh", data)
+    write_json(result_name("mesh", args.quick), data)
     return data
 
 

@@ -24,16 +24,15 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import jax.numpy as jnp
 
 from paxkv import models
 from experiments.accounting import CompileClock
-from experiments.common import (clock, cpu_seconds, english_prompts, hf_generate, peak_rss_mib,
-                                print_table, record, reset_peak_rss, run_worker,
-                                token_agreement, write_json)
+from experiments.common import (Stopwatch, clock, english_prompts, fill_defaults, hf_generate,
+                                parser, peak_rss_mib, print_table, record, reset_peak_rss,
+                                result_name, run_worker, token_agreement, write_json)
 
 PAGE_SIZE = 16
 TARGET_VS_HF = 1.2
@@ -182,8 +181,7 @@ def offline(lm, args) -> dict[str, Any]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap = parser(__doc__)
     ap.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
                     help="paxkv's K/V dtype (bfloat16: half the bytes; on a CPU stored as bits; "
                     "int8: codes + a float32 scale per token and kv head)")
@@ -198,15 +196,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="engine pool: sized to the workload, or max_seqs full-length rows")
     ap.add_argument("--match-prefix", type=int, default=32)
     ap.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    full = dict(num_prompts=64, prompt_lens=[64, 512], max_new=128, hf_batch=32, hf_threads=0,
-                max_seqs=[32])
-    quick = dict(num_prompts=8, prompt_lens=[16, 64], max_new=16, hf_batch=4, hf_threads=1,
-                 max_seqs=[8])
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    return args
+    return fill_defaults(ap.parse_args(argv),
+                         full=dict(num_prompts=64, prompt_lens=[64, 512], max_new=128,
+                                   hf_batch=32, hf_threads=0, max_seqs=[32]),
+                         quick=dict(num_prompts=8, prompt_lens=[16, 64], max_new=16, hf_batch=4,
+                                    hf_threads=1, max_seqs=[8]))
 
 
 def main(argv=None) -> None:
@@ -218,7 +212,7 @@ def main(argv=None) -> None:
         with open(args.worker[1], "w") as f:
             json.dump(out, f)
         return
-    wall, cpu = time.perf_counter(), cpu_seconds()
+    watch = Stopwatch()
     result = offline(models.load(), args)
     best = max(r["vs_hf"] for r in result["paxkv"])
     note = "" if args.kv_dtype == "float32" else f" ({args.kv_dtype} K/V)"
@@ -226,9 +220,8 @@ def main(argv=None) -> None:
              "yes" if best >= TARGET_VS_HF else "no"]]
     print()
     print_table(["figure", "measured", "target", "met"], rows)
-    result.update(targets=rows, wall_s=time.perf_counter() - wall, cpu_s=cpu_seconds() - cpu)
-    name = ("offline" + ("_quick" if args.quick else "")
-            + ("" if args.kv_dtype == "float32" else f"_{args.kv_dtype}"))
+    result.update(targets=rows, **watch.elapsed())
+    name = result_name("offline", args.quick, "" if args.kv_dtype == "float32" else args.kv_dtype)
     write_json(name, record({k: v for k, v in vars(args).items() if k != "worker"}, result))
 
 

@@ -2,8 +2,10 @@
 
     python -m experiments.plots            # results/capacity.json, results/cancel.json
     python -m experiments.plots --quick    # the *_quick.json records
+    python -m experiments.plots --out experiments/figures   # the README's copies
 
-Writes PNGs next to the JSON (``results/``):
+Every figure's title names the run it comes from: its command, date and git SHA, read from
+the record (:func:`stamp`). Writes PNGs next to the JSON (``results/``, or ``--out``):
 
 * ``capacity[_quick]_concurrency.png``: running and queued sequences over time, per system;
 * ``capacity[_quick]_waste.png``: reserved-but-unfilled KV over time, split into internal
@@ -41,8 +43,31 @@ def _systems(res: dict[str, Any]) -> list[str]:
     return [s for s in ("paged", "dense_max_len", "dense_exact") if s in res]
 
 
-def plot_concurrency(res: dict[str, Any], path: str) -> None:
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+def stamp(rec: dict[str, Any], experiment: str) -> str:
+    """The run behind a record, for a figure's title: ``python -m experiments.capacity, run
+    2026-12-04 20:43-20:51, git 961b5c9`` (from ``provenance``'s start time and commit where
+    the record has them, else ``ended`` at ``record``'s time; ``+ uncommitted changes`` when
+    source files differed from that commit at the start; ``(<sha> at the end)`` when a commit
+    landed during the run)."""
+    cfg = rec.get("config", {})
+    command = f"python -m experiments.{experiment}" + (" --quick" if cfg.get("quick") else "")
+    began, ended = cfg.get("started"), rec.get("time")
+    if began and ended:
+        when = f"run {began[:16]}-{ended[11:16]}" if began[:10] == ended[:10] else \
+            f"run {began[:16]} to {ended[:16]}"
+    else:
+        when = f"run ended {ended[:16]}" if ended else "run date not recorded"
+    start, end = cfg.get("git_sha_at_start"), rec.get("git_sha")
+    sha = f"git {start or end or 'not recorded'}"
+    if cfg.get("uncommitted_at_start"):
+        sha += " + uncommitted changes"
+    if start and end and start != end:
+        sha += f" ({end} at the end)"
+    return f"{command}, {when}, {sha}"
+
+
+def plot_concurrency(res: dict[str, Any], path: str, run: str = "") -> None:
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, layout="constrained")
     for s in _systems(res):
         ser = res[s]["series"]
         top.step(ser["t"], ser["running"], where="post", color=COLORS[s],
@@ -53,19 +78,21 @@ def plot_concurrency(res: dict[str, Any], path: str) -> None:
         top.axhline(ten, color="gray", ls="--", lw=1, label=f"target: 10x dense = {ten}")
     top.set_ylabel("running sequences")
     top.legend(loc="upper right", fontsize=8)
-    top.set_title("Concurrent sequences in one KV budget")
+    top.set_title("Concurrent sequences in one KV budget" + (f"\n{run}" if run else ""),
+                  fontsize=10)
     bottom.set_ylabel("queued requests")
     bottom.set_xlabel("time (s, compile excluded)")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_waste(res: dict[str, Any], path: str) -> None:
+def plot_waste(res: dict[str, Any], path: str, run: str = "") -> None:
     systems = _systems(res)
-    fig, axes = plt.subplots(len(systems), 1, figsize=(9, 2.6 * len(systems)), squeeze=False)
+    fig, axes = plt.subplots(len(systems), 1, figsize=(10, 2.6 * len(systems) + 0.4),
+                             squeeze=False, layout="constrained")
+    fig.suptitle("Reserved but unfilled KV over time" + (f"\n{run}" if run else ""), fontsize=10)
     for ax, s in zip(axes[:, 0], systems):
         ser = res[s]["series"]
         t = np.asarray(ser["t"])
@@ -83,7 +110,6 @@ def plot_waste(res: dict[str, Any], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=7)
     axes[-1, 0].set_xlabel("time (s, compile excluded)")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -122,38 +148,48 @@ def _columns(n: int) -> int:
 
 
 def plot_page_maps(maps: dict[str, dict[str, Any]], path: str, suptitle: str) -> None:
-    fig, axes = plt.subplots(1, len(maps), figsize=(4.6 * len(maps), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(maps), figsize=(4.6 * len(maps), 4.6), squeeze=False,
+                             layout="constrained")
     for ax, (title, pm) in zip(axes[0], maps.items()):
         _draw_map(ax, pm, title, _columns(len(pm["owner"])))
     fig.suptitle(suptitle, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.045 * (suptitle.count("\n") + 1)))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_all(results_dir: str, quick: bool) -> list[str]:
-    """Every PNG whose JSON exists; returns the paths written."""
+def _load(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def plot_all(results_dir: str, quick: bool, out_dir: str | None = None) -> list[str]:
+    """Every PNG whose JSON exists in ``results_dir``, written to ``out_dir`` (default: beside
+    the JSON); returns the paths written."""
     suffix = "_quick" if quick else ""
+    out_dir = out_dir or results_dir
+    os.makedirs(out_dir, exist_ok=True)
     written = []
     cap_path = os.path.join(results_dir, f"capacity{suffix}.json")
     if os.path.exists(cap_path):
-        res = json.load(open(cap_path))["results"]
-        base = os.path.join(results_dir, f"capacity{suffix}")
-        plot_concurrency(res, base + "_concurrency.png")
-        plot_waste(res, base + "_waste.png")
+        rec = _load(cap_path)
+        res, run = rec["results"], stamp(rec, "capacity")
+        base = os.path.join(out_dir, f"capacity{suffix}")
+        plot_concurrency(res, base + "_concurrency.png", run)
+        plot_waste(res, base + "_waste.png", run)
         maps = {f"{LABELS[s]} (step {res[s]['page_map']['step']})": res[s]["page_map"]
                 for s in _systems(res) if res[s].get("page_map")}
         plot_page_maps(maps, base + "_page_map.png", "The KV pool at each system's peak "
-                       "(colour = sequence, pale = reserved but empty, white = free)")
+                       f"(colour = sequence, pale = reserved but empty, white = free)\n{run}")
         written += [base + n for n in ("_concurrency.png", "_waste.png", "_page_map.png")]
     cancel_path = os.path.join(results_dir, f"cancel{suffix}.json")
     if os.path.exists(cancel_path):
-        fork = json.load(open(cancel_path))["results"]["fork"]
-        path = os.path.join(results_dir, f"cancel{suffix}_page_map.png")
+        rec = _load(cancel_path)
+        fork = rec["results"]["fork"]
+        path = os.path.join(out_dir, f"cancel{suffix}_page_map.png")
         plot_page_maps({"paged pool after fork + one token per child": fork["page_map"]}, path,
                        f"row 0: a {fork['prompt_len']}-token prompt; rows 1-{fork['children']}:"
                        f" its forks\nx = shared page, gold box = also held by the prefix index,"
-                       f"\npale = partly filled, white = free")
+                       f"\npale = partly filled, white = free\n{stamp(rec, 'cancel')}")
         written.append(path)
     return written
 
@@ -161,9 +197,10 @@ def plot_all(results_dir: str, quick: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="plot the *_quick.json records")
-    ap.add_argument("--results", default=RESULTS_DIR)
+    ap.add_argument("--results", default=RESULTS_DIR, help="where the JSON records are")
+    ap.add_argument("--out", help="where the PNGs go (default: beside the JSON)")
     args = ap.parse_args(argv)
-    written = plot_all(args.results, args.quick)
+    written = plot_all(args.results, args.quick, args.out)
     print("\n".join(f"wrote {p}" for p in written) or "no JSON to plot")
 
 

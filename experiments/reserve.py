@@ -13,14 +13,13 @@ Writes ``results/reserve.json`` (``reserve_quick.json``).
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import print_table, record, timed, write_json
+from experiments.common import parser, print_table, record, result_name, timed, write_json
 from paxkv.table import page_table as pt
 
 PAGE_SIZE = 16
@@ -58,8 +57,7 @@ def reserve_cost(seqs: int, pages: int, row_pages: int, *, repeats: int,
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="10 timed calls")
+    ap = parser(__doc__, quick="10 timed calls")
     ap.add_argument("--shape", type=int, nargs=3, default=[1024, 65536, 128],
                     metavar=("SEQS", "PAGES", "PAGES_PER_SEQ"))
     ap.add_argument("--repeats", type=int, default=50)
@@ -73,7 +71,7 @@ def main(argv=None) -> None:
              f"{result['median_ms']:.2f} ms", f"<= {TARGET_MS} ms", "yes" if met else "no"]]
     print()
     print_table(["figure", "measured", "target", "met"], rows)
-    write_json("reserve_quick" if args.quick else "reserve",
+    write_json(result_name("reserve", args.quick),
                record(vars(args), dict(result, targets=rows)))
 
 

@@ -34,8 +34,8 @@ import numpy as np
 from paxkv import models
 import paxkv
 from experiments.accounting import CompileClock
-from experiments.common import (clock, english_prompts, hf_generate, print_table, record,
-                                token_agreement, write_json)
+from experiments.common import (clock, english_prompts, fill_defaults, hf_generate, parser,
+                                print_table, record, result_name, token_agreement, write_json)
 
 TARGETS = dict(shared_kv_saving=0.9, ttft_speedup=5.0, vs_hf_static=2.5)
 HF_REFERENCE_TOK_S = 34.5  # NOTES.md: HF static batch of 32 on this workload, this machine
@@ -274,8 +274,7 @@ def report(results: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes: proves it runs")
+    ap = parser(__doc__, quick="small sizes: proves it runs")
     ap.add_argument("--only", choices=("users", "hf"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, help="alternating paxkv / HF timed passes (hf part;"
@@ -283,15 +282,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-threads", type=int, default=0,
                     help="torch intra-op threads for HF (0 = torch's default); with neighbours "
                          "busy, 1 avoids OpenMP barrier stalls (tests/oracle.py)")
-    args = ap.parse_args(argv)
-    full = dict(users=50, system_tokens=1000, new_tokens=32, hf_prompts=32, hf_system_tokens=400,
-                hf_new_tokens=64, repeats=3)
-    quick = dict(users=8, system_tokens=256, new_tokens=4, hf_prompts=4, hf_system_tokens=100,
-                 hf_new_tokens=8, repeats=1)
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    return args
+    return fill_defaults(ap.parse_args(argv),
+                         full=dict(users=50, system_tokens=1000, new_tokens=32, hf_prompts=32,
+                                   hf_system_tokens=400, hf_new_tokens=64, repeats=3),
+                         quick=dict(users=8, system_tokens=256, new_tokens=4, hf_prompts=4,
+                                    hf_system_tokens=100, hf_new_tokens=8, repeats=1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -303,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "hf"):
         results["hf"] = hf(lm, args)
     report(results)
-    name = "sharing" + ("_quick" if args.quick else "") + (f"_{args.only}" if args.only else "")
+    name = result_name("sharing", args.quick, args.only or "")
     write_json(name, record(dict(vars(args), targets=TARGETS,
                                  hf_reference_tok_s=HF_REFERENCE_TOK_S), results))
 

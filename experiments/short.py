@@ -26,7 +26,6 @@ Target: paged full step <= 1.05 x dense. Writes ``results/short.json`` (``short_
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 from typing import Any
@@ -36,8 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv import models
-from experiments.accounting import provenance
-from experiments.common import clock, print_table, record, write_json
+from experiments.common import clock, finish, parser, print_table, provenance, record, result_name
 from paxkv.cache import dense as dense_cache
 from paxkv.table import page_table as pt
 from paxkv.cache import paged as paged_cache
@@ -233,8 +231,7 @@ def report(results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="batch 8 only, 3 repeats")
+    ap = parser(__doc__, quick="batch 8 only, 3 repeats")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats (each both kinds)")
     ap.add_argument("--out-len", type=int, default=5, help="decode steps per repeat")
@@ -255,11 +252,10 @@ def main(argv: list[str] | None = None) -> None:
                for b in args.batches.split(",")]
     report(results)
     ok = all(r["tokens_identical"] for r in results)
-    write_json("short_quick" if args.quick else "short",
-               record(dict(vars(args), model=lm.name, **started),
-                      dict(batches=results, target_ratio=TARGET_RATIO, outputs_identical=ok)))
-    if not ok:
-        raise SystemExit("paged and dense tokens disagree: no figure stands")
+    finish(result_name("short", args.quick),
+           record(dict(vars(args), model=lm.name, **started),
+                  dict(batches=results, target_ratio=TARGET_RATIO, outputs_identical=ok)),
+           ok, "paged and dense tokens disagree: no figure stands")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import jax
 
 from paxkv import models
 import paxkv
-from experiments.common import print_table, record, write_json
+from experiments.common import parser, print_table, record, result_name, write_json
 
 PROMPT = "List creative names for a small bakery that sells bread made with ancient grains."
 
@@ -148,8 +148,7 @@ def worked_example(lm: Any, args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a 2 x 2 x 2 tree, 4 tokens a level")
+    ap = parser(__doc__, quick="a 2 x 2 x 2 tree, 4 tokens a level")
     ap.add_argument("--branch", type=int, default=4)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8, help="new tokens per node")
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['unshared_kv_bytes'] / 2**20:.1f}", f"{r['saving']:.0%}",
                   r["prefill_tokens"], r["cow_copies"]] for name, r in rows])
     print(f"leaves recomputed alone from their keys match: {m['tree']['check']}")
-    write_json("tree_of_thought_quick" if args.quick else "tree_of_thought",
+    write_json(result_name("tree_of_thought", args.quick),
                record(dict(vars(args)), m))
 
 

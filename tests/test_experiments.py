@@ -67,16 +67,63 @@ def test_capacity_accounts_every_system(capacity_record):
     assert res["paged"]["future_pct_steady"] == 0 and res["dense_exact"]["internal_pct_steady"] == 0
 
 
-def test_plots_write_pngs(capacity_record, tmp_path):
+def test_plots_write_pngs_titled_with_their_run(capacity_record, tmp_path):
     (tmp_path / "capacity_quick.json").write_text(json.dumps(capacity_record, default=str))
     fork = cancel.fork_run(tiny_lm(), children=3, decode_steps=3, max_len=32,
                            cancel_at={1: 1})
-    (tmp_path / "cancel_quick.json").write_text(json.dumps({"results": {"fork": fork}}))
-    written = plots.plot_all(str(tmp_path), quick=True)
-    assert len(written) == 4
+    cancel_record = common.record(dict(quick=True, **common.provenance()), {"fork": fork})
+    (tmp_path / "cancel_quick.json").write_text(json.dumps(cancel_record, default=str))
+    written = plots.plot_all(str(tmp_path), quick=True, out_dir=str(tmp_path / "figures"))
+    assert [p.split("/")[-1] for p in written] == [
+        "capacity_quick_concurrency.png", "capacity_quick_waste.png",
+        "capacity_quick_page_map.png", "cancel_quick_page_map.png"]
     for path in written:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # Each title names its run: command, start time and commit, from the record itself.
+    cfg = capacity_record["config"]
+    title = plots.stamp(capacity_record, "capacity")
+    assert title.startswith(f"python -m experiments.capacity --quick, run {cfg['started'][:16]}")
+    assert f", git {cfg['git_sha_at_start']}" in title
+    assert ("uncommitted" in title) == bool(cfg["uncommitted_at_start"])
+    assert plots.stamp({"git_sha": "abc1234", "time": "2026-12-04 20:55:01", "config": {}},
+                       "cancel") == ("python -m experiments.cancel, run ended 2026-12-04 20:55, "
+                                     "git abc1234")
+    assert "run 2026-12-04 20:42-21:07," in plots.stamp(
+        {"time": "2026-12-04 21:07:22", "config": {"started": "2026-12-04 20:42:47"}}, "x")
+    moved = dict(capacity_record, config=dict(cfg, git_sha_at_start="0000000",
+                                              uncommitted_at_start=[]))
+    assert plots.stamp(moved, "capacity").endswith(
+        f"git 0000000 ({capacity_record['git_sha']} at the end)")
+
+
+def test_harness_fills_defaults_names_results_and_refuses_wrong_answers(tmp_path, monkeypatch):
+    ap = common.parser("One line.\n\n    python -m experiments.x\n", quick="tiny")
+    ap.add_argument("--n", type=int)
+    assert ap.description == "One line."
+    full, quick = dict(n=64, extra="full"), dict(n=8, extra="quick")
+    assert vars(common.fill_defaults(ap.parse_args([]), quick=quick, full=full)) == dict(
+        quick=False, n=64, extra="full")
+    assert vars(common.fill_defaults(ap.parse_args(["--quick", "--n", "3"]), quick=quick,
+                                     full=full)) == dict(quick=True, n=3, extra="quick")
+    assert common.result_name("decode_sweep", True, "", "bfloat16") == "decode_sweep_quick_bfloat16"
+    assert common.result_name("offline", False, "") == "offline"
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    rec = common.record(dict(common.provenance()), {"x": 1})
+    assert {"git_sha", "jax", "jaxlib", "python", "device", "device_kind", "time"} <= set(rec)
+    assert common.finish("ok", rec, True) == str(tmp_path / "ok.json")
+    with pytest.raises(SystemExit, match="no figure"):
+        common.finish("wrong", rec, False, "no figure stands")
+    assert json.loads((tmp_path / "wrong.json").read_text())["results"] == {"x": 1}
+
+
+def test_prose_windows_are_consecutive_slices_of_one_stream():
+    lm = tiny_lm()
+    stream = common.prose_tokens(lm, 300)
+    assert len(stream) == 300
+    windows = common.english_prompts(lm, 5, 10, 50, seed=3)
+    joined = [t for w in windows for t in w]
+    assert joined == stream[:len(joined)] and all(10 <= len(w) <= 50 for w in windows)
 
 
 def test_short_times_both_caches_and_agrees():
