@@ -180,3 +180,22 @@ def test_reserve_cost_allocates_on_every_call():
     r = reserve.reserve_cost(64, 512, 16, repeats=3, warmup=1)
     assert len(r["times_ms"]) == 4 and r["mean_pages_allocated"] > 0
     assert 0 < r["pages_in_use"] < 512
+
+
+def test_window_capacity_releases_pages_leaks_none_and_agrees(tmp_path, monkeypatch):
+    """``experiments.windows --quick``: the released system holds under a third of the
+    whole-layer bytes per sequence, runs more sequences, every system gives the same tokens and
+    leaks nothing (the run's own check exits non-zero otherwise)."""
+    import sys  # noqa: PLC0415
+
+    from experiments import windows  # noqa: PLC0415
+
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["windows", "--quick"])
+    windows.main()
+    data = json.loads((tmp_path / "windows_quick.json").read_text())["results"]
+    systems = {r["system"]: r for r in data["systems"]}
+    assert all(data["tokens_equal"].values())
+    assert all(r["leaked"] == 0 for r in systems.values())
+    assert systems["released"]["bytes_per_seq_vs_whole"] <= data["ideal_ratio"] + 0.02
+    assert systems["released"]["peak_running"] > systems["whole"]["peak_running"]

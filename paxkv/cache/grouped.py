@@ -16,7 +16,7 @@ reorder); a window group's :meth:`reserve` first calls :func:`paxkv.table.page_t
 dropping each row's pages that lie wholly before its next query's window, so they are free (or
 left to their other holders: a forked sibling) in the very reservation that follows, with no
 host round trip and no sweep. A window group then holds at most ``ceil((w - 1 + t) / page) + 1``
-pages of a row that adds ``t`` tokens in a step.
+pages of a row that adds ``t`` tokens in a step (``ceil(w / page) + 1`` decoding).
 
 The pool is one flat array ``[1, sum_g layers_g x (P_g + 1), kv_heads, page, head_dim]``, so the
 model's layer scan stays one scan with the cache in its carry (a ``lax.cond`` choosing between
@@ -255,15 +255,26 @@ class GroupedPagedCache:
 
 
 def window_pages_per_row(window: int, page_size: int, step_tokens: int, max_len: int) -> int:
-    """Pages a window group's row can hold at once: the ``window - 1`` keys before its first
-    query plus the ``step_tokens`` it adds in one step, on ``ceil(. / page) + 1`` pages (the
-    keys need not start at a page edge), at most a whole row."""
+    """Pages a window group's row holds at most while it adds ``step_tokens`` in one step: the
+    ``window - 1`` keys before its first query plus those tokens, on ``ceil(. / page) + 1``
+    pages (the keys need not start at a page edge), at most a whole row."""
     return min(cdiv(window - 1 + step_tokens, page_size) + 1, cdiv(max_len, page_size))
+
+
+def window_group_pages(window: int, page_size: int, max_seqs: int, max_len: int,
+                       step_tokens: int) -> int:
+    """Pages a window group needs so that no row ever waits for them: every row decoding
+    (``ceil(w / page) + 1`` pages each) while the rows of one step add ``step_tokens`` tokens
+    between them (a row adding ``t`` holds at most ``ceil(t / page)`` more than decoding:
+    ``ceil(step_tokens / page)`` plus one rounding a row)."""
+    per_row = window_pages_per_row(window, page_size, 1, max_len)
+    extra = cdiv(step_tokens, page_size) + min(max_seqs, step_tokens)
+    return min(max_seqs * per_row + extra, max_seqs * cdiv(max_len, page_size))
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
            page_size: int, max_seqs: int, max_len: int,
-           layer_windows: tuple[int | None, ...], step_tokens: int = 512,
+           layer_windows: tuple[int | None, ...], step_tokens: int = 4096,
            window_pages: int | None = None, dtype: jnp.dtype = jnp.float32, scrub: bool = True,
            fill: float = 0.0, attention_impl: str = "auto") -> GroupedPagedCache:
     """An empty layer-grouped paged cache.
@@ -272,9 +283,9 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
       num_pages: pages of group 0 (the global layers, or the only window group of a model
         whose every layer slides): what admission counts.
       layer_windows: the model's, one entry per layer (None: global); at least one window.
-      step_tokens: the most tokens a row adds in one step (the engine's ``prefill_chunk``):
-        sizes each window group so no row waits for its pages
-        (:func:`window_pages_per_row` x ``max_seqs``).
+      step_tokens: the most tokens one step adds over all rows (the engine's
+        ``prefill_tokens``): sizes each window group so no row waits for its pages
+        (:func:`window_group_pages`).
       window_pages: override of that size, for every window group.
       dtype, scrub, fill, attention_impl: as :func:`paxkv.cache.paged.create`.
     """
@@ -284,8 +295,7 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     first = None if None in windows else min(windows)
-    pages = {w: window_pages or max_seqs * window_pages_per_row(w, page_size, step_tokens,
-                                                                max_len)
+    pages = {w: window_pages or window_group_pages(w, page_size, max_seqs, max_len, step_tokens)
              for w in set(windows) if w is not None and w != first}
     pages[first] = num_pages
     groups = LayerGroups.of(windows, pages)
