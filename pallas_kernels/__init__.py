@@ -3,8 +3,9 @@
 Every attention function takes ``q, k_pages, v_pages, block_tables, lengths`` with pages laid
 out ``[num_pages, num_kv_heads, page_size, head_dim]``; the kernels (and ``write_kv``) also take
 a whole ``[num_layers, num_pages, ...]`` pool with ``layer=``, read inside the kernel, so no
-layer is sliced (copied) out of it. The kernels run on Hopper-class GPUs, or on CPU with
-``interpret=True`` (slow; for tests).
+layer is sliced (copied) out of it. The attention functions take an optional sliding
+``window=`` (an int32 scalar, may be traced: each query sees its last ``window`` keys). The
+kernels run on Hopper-class GPUs, or on CPU with ``interpret=True`` (slow; for tests).
 """
 
 from pallas_kernels.kv_write import (copy_pages, copy_pages_reference, write_kv,

@@ -21,6 +21,7 @@ from pallas_kernels._tiles import KVTiles
 from pallas_kernels import quant
 
 _DEAD_POSITION = 2**30  # key position of a dead SMEM row: never visible, never live
+MAX_WINDOW = 2**30  # a sliding window at least this long is no window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +52,16 @@ class Block:
     v_mult: jax.Array | None = None
 
 
-def read_layer(tiles: KVTiles, layer_ref):
-    """The layer to read, clipped so that no DMA ever leaves the pool."""
-    return jnp.clip(layer_ref[0], 0, tiles.num_layers - 1)
+def read_layer(tiles: KVTiles, ints_ref):
+    """The layer to read (``ints_ref[0]``), clipped so that no DMA ever leaves the pool."""
+    return jnp.clip(ints_ref[0], 0, tiles.num_layers - 1)
+
+
+def read_window(ints_ref):
+    """The sliding window (keys a query sees, its own included) from ``ints_ref[1]``, clipped
+    to ``[1, MAX_WINDOW]``: every query sees at least itself, and no position arithmetic on
+    it overflows int32."""
+    return jnp.clip(ints_ref[1], 1, MAX_WINDOW)
 
 
 def fetch_block(tiles: KVTiles, st: KVStream, layer, b, h, block, live_pages, slot) -> None:
@@ -91,24 +99,30 @@ def key_positions(tiles: KVTiles, rows, kpos0):
 
 
 def load_block(tiles: KVTiles, lay: _interpret.Layouts, st: KVStream, slot, kpos0, length,
-               sm_scale: float) -> Block:
+               sm_scale: float, kpos_lo=None) -> Block:
     """Block ``slot`` (first key at position ``kpos0``) into registers; see :class:`Block`.
+    Keys at ``length`` and beyond (and, with a sliding window, before ``kpos_lo``: the first
+    key any query of the program sees) are dead: their V and V scales are zeroed.
     NOTE: V and its scales are zeroed with ``where``: p == 0 times NaN would still be NaN.
     int8 codes are always finite, so there only the V scales need it."""
     t, d = tiles.block_rows, tiles.head_dim
     k, v = st.k_smem[slot], st.v_smem[slot]
     if tiles.dtype == quant.FP8_BITS:  # Mosaic GPU computes on no 8-bit float: widen first
         k, v = (lax.bitcast_convert_type(x, quant.FP8).astype(jnp.float32) for x in (k, v))
+
+    def live(pos):
+        return pos < length if kpos_lo is None else (pos < length) & (pos >= kpos_lo)
+
     kpos = key_positions(tiles, lay.iota((t,), 0, lay.row), kpos0)
     if tiles.dtype != jnp.int8:
-        live_tile = key_positions(tiles, lay.iota((t, d), 0, lay.tile), kpos0) < length
+        live_tile = live(key_positions(tiles, lay.iota((t, d), 0, lay.tile), kpos0))
         v = jnp.where(live_tile, v, jnp.zeros((), v.dtype))
     if not tiles.scaled:
         return Block(k, v, kpos)
     k_scale = lay.load(st.s_smem, (slot, pl.ds(0, t)), lay.row)
     v_scale = lay.load(st.s_smem, (slot, pl.ds(tiles.v_scale_offset, t)), lay.row)
     k_mult = k_scale * sm_scale
-    v_mult = jnp.where(kpos < length, v_scale, 0.0)
+    v_mult = jnp.where(live(kpos), v_scale, 0.0)
     return Block(k, v, kpos, k_mult, v_mult)
 
 

@@ -36,6 +36,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
@@ -128,12 +129,14 @@ class KVTiles:
         return out
 
 
-def pool_operands(k_pages, v_pages, scales, layer):
-    """-> ``(kv, layer_arr)``: ``kv`` the 5-D pools ``(k, v)``, or ``(k, v, scales)`` with
-    scales ``[layers, num_pages, kv_heads, 2 * page_size]`` (K then V: a free reshape of the
-    pool's ``[..., 2, page_size]``), ``layer_arr`` int32 ``[1]``: what every kernel takes.
+def pool_operands(k_pages, v_pages, scales, layer, window=None):
+    """-> ``(kv, ints)``: ``kv`` the 5-D pools ``(k, v)``, or ``(k, v, scales)`` with scales
+    ``[layers, num_pages, kv_heads, 2 * page_size]`` (K then V: a free reshape of the pool's
+    ``[..., 2, page_size]``); ``ints`` int32 ``[1]`` = (layer,), or ``[2]`` = (layer, window)
+    when a ``window`` is given: what every kernel takes.
 
     ``layer=None``: one layer's 4-D pages (and scales) become a pool of one layer (a bitcast).
+    ``window=None`` keeps the operand at ``[1]``, so a kernel without a window is unchanged.
     """
     ndim = 4 if layer is None else 5
     if k_pages.ndim != ndim or k_pages.shape != v_pages.shape:
@@ -149,11 +152,20 @@ def pool_operands(k_pages, v_pages, scales, layer):
                              f" {scales.dtype}{list(scales.shape)}")
         kv = (k_pages, v_pages, scales.reshape(want[:-2] + (-1,)))
     if layer is None:
-        return tuple(x[None] for x in kv), jnp.zeros((1,), jnp.int32)
-    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise ValueError(f"layer must be an integer scalar; got {jnp.result_type(layer)}"
-                         f"{list(jnp.shape(layer))}")
-    return kv, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+        kv, ints = tuple(x[None] for x in kv), [jnp.zeros((1,), jnp.int32)]
+    else:
+        ints = [_int_scalar("layer", layer)]
+    if window is not None:
+        ints.append(_int_scalar("window", window))
+    return kv, ints[0] if len(ints) == 1 else jnp.concatenate(ints)
+
+
+def _int_scalar(name: str, x) -> jax.Array:
+    """An integer scalar (Python or traced) as int32 ``[1]``."""
+    if jnp.ndim(x) != 0 or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+        raise ValueError(f"{name} must be an integer scalar; got {jnp.result_type(x)}"
+                         f"{list(jnp.shape(x))}")
+    return jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
 
 
 def _check_dtypes(k_pool, v_pool, scaled: bool) -> None:

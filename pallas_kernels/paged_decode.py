@@ -27,6 +27,16 @@ blocks past ``lengths[b]`` are skipped, and everything past ``lengths[b]`` is ma
 scores x K scale, softmax weights x V scale (``_tiles.py``, which also explains the SMEM layout
 the scales need: at page 16 each page takes 32 SMEM rows, half of them dead).
 
+A sliding ``window=`` (Mistral, Gemma 2/3 local layers; an int32 scalar that may be traced, read
+from GMEM after the layer) limits the query to its last ``window`` keys, ``[length - window,
+length)``: each split starts at the first of its blocks that reaches into the window and skips
+the blocks before it (no copy, no compute)::
+
+    blocks of split s:  [max(s * bps, lo), min((s + 1) * bps, cdiv(length, T)))
+                        lo = max(length - window, 0) // T
+
+``window=None`` builds the kernel without any of this (and with the ``[1]`` layer operand).
+
 Layers: kernel body -> call builder -> public jitted wrapper -> reference (oracle).
 """
 
@@ -43,7 +53,7 @@ from jax import lax
 
 from pallas_kernels import _interpret
 from pallas_kernels._stream import (KVStream, fetch_block, load_block, read_layer,
-                                    softmax_update, zero_rows)
+                                    read_window, softmax_update, zero_rows)
 from pallas_kernels._tiles import (SMEM_BUDGET_BYTES, KVTiles, check_query,
                                    default_pages_per_block, pool_operands, validate_kv)
 from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
@@ -62,16 +72,18 @@ class _DecodeSpec:
     blocks_per_split: int
     sm_scale: float
     soft_cap: float | None
+    windowed: bool = False  # ints_ref holds (layer, window): a sliding window over the keys
 
 
-def _decode_kernel(q_ref, kv_refs, layer_ref, bt_ref, len_ref, acc_out, stats_out, *,
+def _decode_kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, acc_out, stats_out, *,
                    q_smem, k_smem, v_smem, acc_smem, stats_smem, q_bar, kv_bars, s_smem=None,
                    spec: _DecodeSpec, lay: _interpret.Layouts):
     # q_ref:      [batch, kv_heads, group, head_dim]              GMEM, q dtype
     # kv_refs:    (k, v) or (k, v, scales) GMEM, the whole pool:
     #             k/v [layers, num_pages, kv_heads, page_size, head_dim] (floats or 8-bit codes),
     #             scales f32 [layers, num_pages, kv_heads, 2 * page_size] (K | V)
-    # layer_ref:  int32 [1]; bt_ref: int32 [batch, max_pages]; len_ref: int32 [batch]  GMEM
+    # ints_ref:   int32 [1] (layer), or [2] (layer, window) when spec.windowed     GMEM
+    # bt_ref:     int32 [batch, max_pages]; len_ref: int32 [batch]                GMEM
     # acc_out:    f32 [batch, kv_heads, splits, group, head_dim]  unnormalised partial sums
     # stats_out:  f32 [batch, kv_heads, splits, 2, group_pad]     (running max, running sum)
     # q_smem:     [group, head_dim]; k_smem/v_smem: [2, rows, head_dim] (tiled, swizzled)
@@ -82,32 +94,43 @@ def _decode_kernel(q_ref, kv_refs, layer_ref, bt_ref, len_ref, acc_out, stats_ou
     b, h, split = lax.axis_index("b"), lax.axis_index("kvh"), lax.axis_index("split")
     length = jnp.clip(len_ref[b], 0, tiles.max_pages * tiles.page_size)
     live_pages = pl.cdiv(length, tiles.page_size)
-    first = split * spec.blocks_per_split
-    n_blocks = jnp.clip(pl.cdiv(length, tiles.block_tokens) - first, 0, spec.blocks_per_split)
-    layer = read_layer(tiles, layer_ref)
+    first = split * spec.blocks_per_split  # this split's blocks: [first, first + bps)
+    kpos_lo = None
+    if spec.windowed:  # keys [kpos_lo, length): skip the split's blocks wholly before them
+        kpos_lo = jnp.maximum(length - read_window(ints_ref), 0)
+        start = jnp.maximum(first, kpos_lo // tiles.block_tokens)
+        end = jnp.minimum(pl.cdiv(length, tiles.block_tokens), first + spec.blocks_per_split)
+        n_blocks = jnp.maximum(end - start, 0)
+    else:
+        start = first
+        n_blocks = jnp.clip(pl.cdiv(length, tiles.block_tokens) - first, 0,
+                            spec.blocks_per_split)
+    layer = read_layer(tiles, ints_ref)
     st = KVStream(kv_refs[0], kv_refs[1], kv_refs[2] if tiles.scaled else None, bt_ref,
                   k_smem, v_smem, s_smem, kv_bars)
 
     @pl.when(n_blocks > 0)
     def _start():
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
-        fetch_block(tiles, st, layer, b, h, first, live_pages, 0)
+        fetch_block(tiles, st, layer, b, h, start, live_pages, 0)
 
     zero_rows(lay, acc_smem, 0, spec.group, tiles.head_dim)
     pl.when(n_blocks > 0)(lambda: plgpu.barrier_wait(q_bar.at[0]))
 
-    def block(j, ml):  # ml: per query head (running max, running sum), f32 scalars
+    def block(j, ml):  # block start + j; ml: per query head (running max, running sum)
         slot = lax.rem(j, 2)
 
         @pl.when(j + 1 < n_blocks)
         def _prefetch():
             plgpu.commit_smem()  # every thread is done reading the slot about to be refilled
-            fetch_block(tiles, st, layer, b, h, first + j + 1, live_pages, 1 - slot)
+            fetch_block(tiles, st, layer, b, h, start + j + 1, live_pages, 1 - slot)
 
         plgpu.barrier_wait(kv_bars.at[slot])
-        blk = load_block(tiles, lay, st, slot, (first + j) * tiles.block_tokens, length,
-                         spec.sm_scale)
+        blk = load_block(tiles, lay, st, slot, (start + j) * tiles.block_tokens, length,
+                         spec.sm_scale, kpos_lo)
         visible = blk.kpos < length
+        if spec.windowed:  # NOTE: every block in [start, end) holds a key in the window
+            visible &= blk.kpos >= kpos_lo
         return tuple(softmax_update(lay, q_smem, blk, visible, *ml[g], acc_smem, g,
                                     sm_scale=spec.sm_scale, soft_cap=spec.soft_cap)
                      for g in range(spec.group))
@@ -141,8 +164,9 @@ def _decode_call(spec: _DecodeSpec, batch: int, num_kv_heads: int, interpret):
                    stats_smem=plgpu.SMEM((2, spec.group_pad), jnp.float32),
                    q_bar=plgpu.Barrier(num_barriers=1), **tiles.scratch())
     codes = f"_{tiles.dtype.name}" if tiles.scaled else ""
+    window = "_window" if spec.windowed else ""
     name = (f"paged_decode_ppb{tiles.pages_per_block}_ps{tiles.page_size}"
-            f"_splits{spec.num_splits}_g{spec.group}_d{tiles.head_dim}{codes}")
+            f"_splits{spec.num_splits}_g{spec.group}_d{tiles.head_dim}{codes}{window}")
     return plgpu.kernel(
         functools.partial(_decode_kernel, spec=spec, lay=lay), out_type=out_type,
         scratch_types=scratch, grid=(batch, num_kv_heads, spec.num_splits),
@@ -187,6 +211,7 @@ def auto_num_splits(batch: int, num_kv_heads: int, total_blocks: int) -> int:
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            block_tables: jax.Array, lengths: jax.Array, *,
                            scales: jax.Array | None = None, layer: jax.Array | None = None,
+                           window: jax.Array | int | None = None,
                            sm_scale: float | None = None, logit_soft_cap: float | None = None,
                            pages_per_block: int | None = None, num_splits: int | None = None,
                            interpret: _interpret.Interpret = False) -> jax.Array:
@@ -202,6 +227,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         pages (K scales at index 0, V at 1: :class:`paxkv.cache.pool.KVPool`), else None.
       layer: int32 scalar (traced; clipped into the pool): the layer of a 5-D pool to read,
         so that no ``pool[layer]`` copy is made; None for 4-D pages.
+      window: int32 scalar (may be traced), a sliding window: the query at position
+        ``lengths[b] - 1`` sees keys ``k > lengths[b] - 1 - window``, its last ``window``
+        (HF's ``sliding_window``; values below 1 act as 1). None: every key (the kernel is then
+        built without the window).
       sm_scale: defaults to ``head_dim ** -0.5``; logit_soft_cap: ``cap * tanh(s / cap)``.
       pages_per_block: pages per compute block (default: fill 64 SMEM rows).
       num_splits: context splits per sequence (default: enough programs for the GPU).
@@ -213,7 +242,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim]; got {q.shape}")
     batch, num_q_heads, head_dim = q.shape
-    kv, layer_arr = pool_operands(k_pages, v_pages, scales, layer)
+    kv, ints = pool_operands(k_pages, v_pages, scales, layer, window)
     ppb = pages_per_block or default_pages_per_block(kv[0].shape[3], scaled=scales is not None)
     tiles = validate_kv(kv, block_tables, ppb)
     check_query(q.dtype, head_dim, tiles)
@@ -228,13 +257,13 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     bps = pl.cdiv(total_blocks, splits)
     spec = _DecodeSpec(tiles, jnp.dtype(q.dtype), group, pl.cdiv(group, 16) * 16,
                        pl.cdiv(total_blocks, bps), bps, default_sm_scale(head_dim, sm_scale),
-                       logit_soft_cap)
+                       logit_soft_cap, windowed=window is not None)
     smem = tiles.smem_bytes() + group * head_dim * (q.dtype.itemsize + 4)
     if smem > SMEM_BUDGET_BYTES:
         raise ValueError(f"decode needs {smem} bytes of SMEM (> {SMEM_BUDGET_BYTES}); lower"
                          f" pages_per_block={ppb} or store pages in bfloat16")
     acc, stats = _decode_call(spec, batch, num_kv_heads, interpret)(
-        q.reshape(batch, num_kv_heads, group, head_dim), kv, layer_arr, block_tables,
+        q.reshape(batch, num_kv_heads, group, head_dim), kv, ints, block_tables,
         lengths.astype(jnp.int32))
     out = combine_splits(acc, stats, group)
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -15,6 +15,11 @@ whole pool with ``layer=`` read inside the kernel, as in ``paged_decode.py``; 8-
 (int8, fp8 bits) with ``scales=`` are dequantised after the load by the same block steps as
 decode (``_tiles.py``), so prefill of an 8-bit cache needs no XLA fallback.
 
+A sliding ``window=`` (int32 scalar, may be traced) narrows query ``p``'s keys to ``p - window <
+k <= p``. A program then starts at the block holding its first query's first key, and each
+block runs only the rows whose window reaches it (``_stream_blocks`` draws it); ``window=None``
+builds the kernel without any of this.
+
 Layers: kernel body -> call builder -> public jitted wrapper -> reference (oracle).
 """
 
@@ -31,7 +36,7 @@ from jax import lax
 
 from pallas_kernels import _interpret
 from pallas_kernels._stream import (KVStream, fetch_block, load_block, read_layer,
-                                    softmax_update, zero_rows)
+                                    read_window, softmax_update, zero_rows)
 from pallas_kernels._tiles import (SMEM_BUDGET_BYTES, KVTiles, check_query,
                                    default_pages_per_block, pool_operands, validate_kv)
 from pallas_kernels.reference import default_sm_scale, paged_prefill_attention_reference
@@ -50,18 +55,20 @@ class _PrefillSpec:
     max_q_len: int
     sm_scale: float
     soft_cap: float | None
+    windowed: bool = False  # ints_ref holds (layer, window): a sliding window over the keys
 
     @property
     def rows(self) -> int:
         return self.block_q * self.group
 
 
-def _prefill_kernel(q_ref, kv_refs, layer_ref, bt_ref, len_ref, qlen_ref, o_ref, *,
+def _prefill_kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, qlen_ref, o_ref, *,
                     q_smem, k_smem, v_smem, acc_smem, stats_smem, q_bar, kv_bars, s_smem=None,
                     spec: _PrefillSpec, lay: _interpret.Layouts):
     # q_ref:      [batch, kv_heads, q_pad * group, head_dim]  GMEM; row t*group + g
     # kv_refs:    (k, v) or (k, v, scales) GMEM, the whole pool (as the decode kernel)
-    # layer_ref:  int32 [1]; bt_ref: int32 [batch, max_pages]
+    # ints_ref:   int32 [1] (layer), or [2] (layer, window) when spec.windowed  GMEM
+    # bt_ref:     int32 [batch, max_pages]  GMEM
     # len_ref, qlen_ref: int32 [batch]  GMEM
     # o_ref:      f32 [batch, kv_heads, q_pad * group, head_dim]  normalised output
     # q_smem:     [rows, head_dim]; k_smem/v_smem: [2, T, head_dim] (tiled, swizzled)
@@ -77,23 +84,28 @@ def _prefill_kernel(q_ref, kv_refs, layer_ref, bt_ref, len_ref, qlen_ref, o_ref,
     n_q = jnp.clip(q_len - t0, 0, spec.block_q)
     n_blocks = pl.cdiv(pos0 + n_q, tiles.block_tokens)  # keys up to the last query
     live_pages = pl.cdiv(length, tiles.page_size)
+    window = start = None  # no window: blocks [0, n_blocks)
+    if spec.windowed:  # blocks [start, ...): from the one holding the first query's first key
+        window = read_window(ints_ref)
+        start = jnp.maximum(pos0 - window + 1, 0) // tiles.block_tokens
+        n_blocks = n_blocks - start
     st = KVStream(kv_refs[0], kv_refs[1], kv_refs[2] if tiles.scaled else None, bt_ref,
                   k_smem, v_smem, s_smem, kv_bars)
 
     @pl.when(n_q > 0)  # NOTE: programs without queries write nothing; the wrapper zeroes them
     def _queries():
-        layer = read_layer(tiles, layer_ref)
+        layer = read_layer(tiles, ints_ref)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * rows, rows)], q_smem, q_bar.at[0])
-        fetch_block(tiles, st, layer, b, h, 0, live_pages, 0)
+        fetch_block(tiles, st, layer, b, h, 0 if start is None else start, live_pages, 0)
         _attend(spec, lay, st, q_smem, acc_smem, stats_smem, layer, b, h, length, pos0, n_q,
-                n_blocks, live_pages, q_bar)
+                start, n_blocks, live_pages, q_bar, window)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(acc_smem, o_ref.at[b, h, pl.ds(qb * rows, rows)])
         plgpu.wait_smem_to_gmem(0)
 
 
 def _attend(spec, lay, st: KVStream, q_smem, acc_smem, stats_smem, layer, b, h, length, pos0,
-            n_q, n_blocks, live_pages, q_bar):
+            n_q, start, n_blocks, live_pages, q_bar, window):
     """Rows ``[0, n_q * group)``: stream the K/V blocks, update each row, normalise."""
     tiles, group = spec.tiles, spec.group
     zero_rows(lay, acc_smem, 0, n_q * group, tiles.head_dim)
@@ -105,33 +117,57 @@ def _attend(spec, lay, st: KVStream, q_smem, acc_smem, stats_smem, layer, b, h, 
 
     plgpu.barrier_wait(q_bar.at[0])
 
-    @pl.loop(0, n_blocks)
-    def _block(j):
-        slot = lax.rem(j, 2)
-
-        @pl.when(j + 1 < n_blocks)
-        def _prefetch():
-            plgpu.commit_smem()  # every thread is done reading the slot about to be refilled
-            fetch_block(tiles, st, layer, b, h, j + 1, live_pages, 1 - slot)
-
-        plgpu.barrier_wait(st.bars.at[slot])
-        kpos0 = j * tiles.block_tokens
-        blk = load_block(tiles, lay, st, slot, kpos0, length, spec.sm_scale)
-        t_lo = jnp.clip(kpos0 - pos0, 0, n_q)
-
-        @pl.loop(t_lo * group, n_q * group)
-        def _row(r):
-            visible = blk.kpos <= pos0 + r // group  # causal; implies kpos < length
-            m, l = softmax_update(lay, q_smem, blk, visible, stats_smem[0, r],
-                                  stats_smem[1, r], acc_smem, r, sm_scale=spec.sm_scale,
-                                  soft_cap=spec.soft_cap)
-            stats_smem[0, r] = m
-            stats_smem[1, r] = l
+    _stream_blocks(spec, lay, st, q_smem, acc_smem, stats_smem, layer, b, h, length, pos0, n_q,
+                   start, n_blocks, live_pages, window)
 
     @pl.loop(0, n_q * group)
     def _normalise(r):
         denom = stats_smem[1, r]
         acc_smem[r] = lay.load(acc_smem, r, lay.col) / jnp.where(denom > 0, denom, 1.0)
+
+
+def _stream_blocks(spec, lay, st: KVStream, q_smem, acc_smem, stats_smem, layer, b, h, length,
+                   pos0, n_q, start, n_blocks, live_pages, window):
+    """Blocks ``start + j`` for ``j < n_blocks`` (``start`` None: 0, no window), the first
+    already in flight to slot 0, each fed to the query rows that see one of its keys::
+
+        query t (position p = pos0 + t) sees keys  p - window < k <= p
+        block [kpos0, kpos0 + T) is seen by        t in [t_lo, t_hi)
+            t_lo = clip(kpos0 - pos0, 0, n_q)                  (causal: p >= kpos0)
+            t_hi = clip(kpos0 + T - 1 + window - pos0, 0, n_q) (window: p - window < kpos0 + T - 1)
+
+    NOTE: softmax_update needs a visible key in every row it runs; both bounds keep that."""
+    tiles, group = spec.tiles, spec.group
+    kpos_lo = None if window is None else jnp.maximum(pos0 - window + 1, 0)
+
+    @pl.loop(0, n_blocks)
+    def _block(j):
+        slot = lax.rem(j, 2)
+        at = j if start is None else start + j  # the block's index in the sequence
+
+        @pl.when(j + 1 < n_blocks)
+        def _prefetch():
+            plgpu.commit_smem()  # every thread is done reading the slot about to be refilled
+            fetch_block(tiles, st, layer, b, h, at + 1, live_pages, 1 - slot)
+
+        plgpu.barrier_wait(st.bars.at[slot])
+        kpos0 = at * tiles.block_tokens
+        blk = load_block(tiles, lay, st, slot, kpos0, length, spec.sm_scale, kpos_lo)
+        t_lo = jnp.clip(kpos0 - pos0, 0, n_q)
+        t_hi = n_q
+        if window is not None:
+            t_hi = jnp.clip(kpos0 + tiles.block_tokens - 1 + window - pos0, 0, n_q)
+
+        @pl.loop(t_lo * group, t_hi * group)
+        def _row(r):
+            visible = blk.kpos <= pos0 + r // group  # causal; implies kpos < length
+            if window is not None:
+                visible &= blk.kpos > pos0 + r // group - window
+            m, l = softmax_update(lay, q_smem, blk, visible, stats_smem[0, r],
+                                  stats_smem[1, r], acc_smem, r, sm_scale=spec.sm_scale,
+                                  soft_cap=spec.soft_cap)
+            stats_smem[0, r] = m
+            stats_smem[1, r] = l
 
 
 # ---------------------------------------------------------------- layer 2: call builder
@@ -148,8 +184,9 @@ def _prefill_call(spec: _PrefillSpec, batch: int, num_kv_heads: int, q_blocks: i
     out_type = jax.ShapeDtypeStruct((batch, num_kv_heads, q_blocks * rows, tiles.head_dim),
                                     jnp.float32)
     codes = f"_{tiles.dtype.name}" if tiles.scaled else ""
+    window = "_window" if spec.windowed else ""
     name = (f"paged_prefill_bq{spec.block_q}_ppb{tiles.pages_per_block}_ps{tiles.page_size}"
-            f"_g{spec.group}_d{tiles.head_dim}{codes}")
+            f"_g{spec.group}_d{tiles.head_dim}{codes}{window}")
     return plgpu.kernel(
         functools.partial(_prefill_kernel, spec=spec, lay=lay), out_type=out_type,
         scratch_types=scratch, grid=(batch, num_kv_heads, q_blocks),
@@ -177,8 +214,9 @@ def default_block_q(tiles: KVTiles, group: int, max_q_len: int, q_itemsize: int)
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                             block_tables: jax.Array, lengths: jax.Array,
                             query_lengths: jax.Array, *, scales: jax.Array | None = None,
-                            layer: jax.Array | None = None, sm_scale: float | None = None,
-                            logit_soft_cap: float | None = None,
+                            layer: jax.Array | None = None,
+                            window: jax.Array | int | None = None,
+                            sm_scale: float | None = None, logit_soft_cap: float | None = None,
                             pages_per_block: int | None = None, block_q: int | None = None,
                             interpret: _interpret.Interpret = False) -> jax.Array:
     """Ragged causal queries over paged context (chunked prefill, cached prefixes).
@@ -196,6 +234,9 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
         pages, else None.
       layer: int32 scalar: the layer of a 5-D pool to read (no ``pool[layer]`` copy); None for
         4-D pages.
+      window: int32 scalar (may be traced), a sliding window: the query at position ``p``
+        sees keys ``p - window < k <= p`` (HF's ``sliding_window``; values below 1 act as 1).
+        None: causal over every key (the kernel is then built without the window).
       sm_scale, logit_soft_cap: as :func:`paged_decode_attention`.
       pages_per_block: pages per compute block (default: fill 64 SMEM rows).
       block_q: query tokens per program (default: up to 16, at most 128 rows).
@@ -208,7 +249,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, max_q_len, num_q_heads, head_dim]; got {q.shape}")
     batch, max_q_len, num_q_heads, head_dim = q.shape
-    kv, layer_arr = pool_operands(k_pages, v_pages, scales, layer)
+    kv, ints = pool_operands(k_pages, v_pages, scales, layer, window)
     ppb = pages_per_block or default_pages_per_block(kv[0].shape[3], scaled=scales is not None)
     tiles = validate_kv(kv, block_tables, ppb)
     num_kv_heads = kv[0].shape[2]
@@ -222,12 +263,13 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                          " pages_per_block")
     q_blocks = pl.cdiv(max_q_len, bq)
     spec = _PrefillSpec(tiles, jnp.dtype(q.dtype), group, bq, max_q_len,
-                        default_sm_scale(head_dim, sm_scale), logit_soft_cap)
+                        default_sm_scale(head_dim, sm_scale), logit_soft_cap,
+                        windowed=window is not None)
     q_rows = jnp.pad(q, ((0, 0), (0, q_blocks * bq - max_q_len), (0, 0), (0, 0)))
     q_rows = q_rows.reshape(batch, q_blocks * bq, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
     out = _prefill_call(spec, batch, num_kv_heads, q_blocks, interpret)(
-        q_rows, kv, layer_arr, block_tables, lengths.astype(jnp.int32),
+        q_rows, kv, ints, block_tables, lengths.astype(jnp.int32),
         query_lengths.astype(jnp.int32))
     out = out.reshape(batch, num_kv_heads, q_blocks * bq, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out[:, :max_q_len].reshape(q.shape)

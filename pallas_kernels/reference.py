@@ -5,8 +5,9 @@ pages ``[num_pages, num_kv_heads, page_size, head_dim]``. Each reference does th
 thing and nothing clever: gather a row's pages into one contiguous ``[max_len]`` key axis,
 decode the stored format (:func:`pallas_kernels.kv_storage.readable`: bfloat16 bits, 8-bit
 codes x their ``scales`` ``[num_pages, num_kv_heads, 2, page_size]``), then one masked float32
-softmax per query. It shares no code with paxkv's XLA attention path, so a test of either
-against it checks the maths, not a shared helper.
+softmax per query (causal; with ``window=`` over the query's last ``window`` keys only). It
+shares no code with paxkv's XLA attention path, so a test of either against it checks the
+maths, not a shared helper.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ def gather_kv(k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-            lengths: jax.Array, sm_scale: float, logit_soft_cap: float | None) -> jax.Array:
+            lengths: jax.Array, sm_scale: float, logit_soft_cap: float | None,
+            window: jax.Array | int | None) -> jax.Array:
     """q ``[b, t, H, d]``, k / v ``[b, K, L, d]``, q_positions int32 ``[b, t]`` (-1: padding
-    query), lengths ``[b]`` -> ``[b, t, H, d]`` in ``q.dtype``; zero where nothing is seen."""
+    query), lengths ``[b]``, window: None or an int scalar -> ``[b, t, H, d]`` in ``q.dtype``;
+    zero where nothing is seen."""
     b, t, heads, d = q.shape
     group = heads // k.shape[1]
     k = jnp.repeat(k, group, axis=1)  # [b, H, L, d]: query head h reads kv head h // group
@@ -53,12 +56,15 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
     live = key[None, :] < lengths[:, None]  # [b, L]
     seen = (live[:, None, :] & (key[None, None, :] <= q_positions[:, :, None])
             & (q_positions[:, :, None] >= 0))  # [b, t, L]
+    if window is not None:  # sliding window: the last `window` keys, the query's own included
+        seen &= key[None, None, :] > q_positions[:, :, None] - jnp.maximum(window, 1)
     s = jnp.where(seen[:, None], s, -jnp.inf)
     top = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(total > 0, total, 1.0)
-    v = jnp.where(live[:, None, :, None], v, 0.0)  # NaN in a dead slot: 0 * NaN is still NaN
+    # NaN in a slot no query sees (dead, or before every window): 0 * NaN is still NaN
+    v = jnp.where(jnp.any(seen, axis=1)[:, None, :, None], v, 0.0)
     return jnp.einsum("bhtl,bhld->bthd", p, v).astype(q.dtype)
 
 
@@ -78,6 +84,7 @@ def paged_prefill_attention_reference(
     query_lengths: jax.Array,
     *,
     scales: jax.Array | None = None,
+    window: jax.Array | int | None = None,
     sm_scale: float | None = None,
     logit_soft_cap: float | None = None,
 ) -> jax.Array:
@@ -92,13 +99,15 @@ def paged_prefill_attention_reference(
       lengths: int32 ``[batch]``: tokens in context, the queries' own included.
       query_lengths: int32 ``[batch]``, ``<= min(lengths, max_q_len)``.
       scales: float32 ``[num_pages, num_kv_heads, 2, page_size]`` for 8-bit pages, else None.
+      window: int scalar (may be traced) or None: a sliding window, the query at position
+        ``p`` sees only keys ``p - window < k <= p`` (values below 1 act as 1).
 
     Returns:
       ``[batch, max_q_len, num_q_heads, head_dim]``; queries ``t >= query_lengths[b]`` are zero.
     """
     k, v = gather_kv(k_pages, v_pages, block_tables, scales)
     return _attend(q, k, v, _query_positions(q.shape[1], lengths, query_lengths), lengths,
-                   default_sm_scale(q.shape[-1], sm_scale), logit_soft_cap)
+                   default_sm_scale(q.shape[-1], sm_scale), logit_soft_cap, window)
 
 
 def paged_decode_attention_reference(
@@ -109,10 +118,12 @@ def paged_decode_attention_reference(
     lengths: jax.Array,
     *,
     scales: jax.Array | None = None,
+    window: jax.Array | int | None = None,
     sm_scale: float | None = None,
     logit_soft_cap: float | None = None,
 ) -> jax.Array:
-    """One query token per sequence attending to its ``lengths[b]`` cached tokens.
+    """One query token per sequence attending to its ``lengths[b]`` cached tokens (its last
+    ``window`` with a sliding window).
 
     Args:
       q: ``[batch, num_q_heads, head_dim]``.
@@ -120,13 +131,14 @@ def paged_decode_attention_reference(
       block_tables: int32 ``[batch, max_pages_per_seq]``.
       lengths: int32 ``[batch]``; a length-0 sequence yields zeros.
       scales: float32 ``[num_pages, num_kv_heads, 2, page_size]`` for 8-bit pages, else None.
+      window: int scalar or None, as :func:`paged_prefill_attention_reference`.
 
     Returns:
       ``[batch, num_q_heads, head_dim]`` in ``q.dtype``.
     """
     out = paged_prefill_attention_reference(
         q[:, None], k_pages, v_pages, block_tables, lengths, jnp.minimum(lengths, 1),
-        scales=scales, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
+        scales=scales, window=window, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
     return out[:, 0]
 
 
@@ -137,13 +149,15 @@ def dense_attention_reference(
     lengths: jax.Array,
     query_lengths: jax.Array,
     *,
+    window: jax.Array | int | None = None,
     sm_scale: float | None = None,
     logit_soft_cap: float | None = None,
 ) -> jax.Array:
     """The dense twin: ``k``/``v`` ``[batch, num_kv_heads, max_len, head_dim]`` per sequence.
 
-    Same query convention as :func:`paged_prefill_attention_reference`; no gather at all.
+    Same query convention (and ``window``) as :func:`paged_prefill_attention_reference`; no
+    gather at all.
     """
     return _attend(q, k.astype(jnp.float32), v.astype(jnp.float32),
                    _query_positions(q.shape[1], lengths, query_lengths), lengths,
-                   default_sm_scale(q.shape[-1], sm_scale), logit_soft_cap)
+                   default_sm_scale(q.shape[-1], sm_scale), logit_soft_cap, window)

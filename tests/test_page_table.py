@@ -1,11 +1,14 @@
 """The spec of the page table and the pool.
 
 A hypothesis state machine drives thousands of random operations (reserve, write, fork,
-reorder, copy-on-write, release, retain) through the jitted ops against a plain-Python model
-allocator, and after every one checks the table's invariants (``experiments.table_ops``), the
-table against the model, and that every sequence reads back, through its block table, exactly
-the tokens it wrote. The unit tests below pin down exhaustion (a failed request leaves its rows
-bit-identical), scrubbing, and eager == jitted.
+reorder, copy-on-write, release, retain, slide) through the jitted ops against a plain-Python
+model allocator, and after every one checks the table's invariants, the table against the
+model, and that every sequence reads back, through its block table, exactly the tokens it wrote
+in the blocks it still holds. ``slide`` (a sliding-window layer group dropping the pages before
+each row's window) leaves rows whose first cells are the sentinel; the pages it frees are
+poisoned with NaN in the pool, as are all pages any op frees, so a row reading a page it no
+longer holds fails the read-back. The unit tests below pin down exhaustion (a failed request
+leaves its rows bit-identical), scrubbing, slide, and eager == jitted.
 
 The pool in these tests is tiny (1 layer, 1 kv head, head_dim 1), so each slot stores one token
 id: ``k`` holds the id and ``v`` the id + 0.5. One of the machine's sizes is an int8 pool:
@@ -40,6 +43,8 @@ release_jit = jax.jit(pt.release)
 fork_jit = jax.jit(pt.fork)
 reorder_jit = jax.jit(pt.reorder)
 retain_jit = jax.jit(pt.retain)
+slide_jit = jax.jit(pt.slide)
+pages_referenced_jit = jax.jit(pt.pages_referenced)
 slot_mapping_jit = jax.jit(pt.slot_mapping)
 stats_jit = jax.jit(pt.stats)
 apply_jit = jax.jit(kv_pool.apply, static_argnames="scrub")
@@ -47,6 +52,7 @@ write_jit = jax.jit(kv_pool.write)
 round_trip_jit = jax.jit(quant.round_trip, static_argnames="fmt")
 
 UNWRITTEN = -1.0  # what the pool holds before anything is written or scrubbed
+POISON = float("nan")  # what the machine writes over every page an op frees
 MIN_OPS_PER_RUN = 5_000
 
 
@@ -107,20 +113,35 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def assert_equal(actual, desired, msg: str = ""):
-    """``np.testing.assert_array_equal`` with a fast path (thousands of calls per run)."""
-    if not np.array_equal(np.asarray(actual), np.asarray(desired)):
+    """``np.testing.assert_array_equal`` with a fast path (thousands of calls per run); NaN
+    equals NaN (free pages are NaN-poisoned), as in ``assert_array_equal``."""
+    if not np.array_equal(np.asarray(actual), np.asarray(desired), equal_nan=True):
         np.testing.assert_array_equal(actual, desired, msg)
+
+
+@jax.jit
+def _poison(pool: kv_pool.KVPool, nan_pool: kv_pool.KVPool,
+            pages: jax.Array) -> kv_pool.KVPool:
+    """``pool`` with ``pages`` (int32 ``[n]``, ids past the pool ignored) overwritten by
+    ``nan_pool``'s (codes and NaN scales for a scaled pool): what a freed page may hold."""
+    return kv_pool.KVPool(*[x.at[:, pages].set(nan[:, jnp.clip(pages, 0, x.shape[1] - 1)],
+                                                 mode="drop")
+                            for x, nan in zip(pool.arrays(), nan_pool.arrays())])
 
 
 # -- the model ------------------------------------------------------------------------------
 class ModelAllocator:
     """Plain-Python allocator: each sequence is a list of page ids, a length and the token ids
-    it has written; ref counts are derived from the page lists plus external holders."""
+    it has written; ref counts are derived from the page lists plus external holders.
+
+    A row's list has ``ceil(length / page_size)`` cells; a cell :meth:`slide` released is
+    None (the sentinel in the real table), and those are always a prefix of the row.
+    """
 
     def __init__(self, sizes: Sizes):
         self.sz = sizes
         s = sizes.max_seqs
-        self.pages: list[list[int]] = [[] for _ in range(s)]
+        self.pages: list[list[int | None]] = [[] for _ in range(s)]
         self.lengths = [0] * s
         self.tokens: list[list[int]] = [[] for _ in range(s)]  # written prefix of each row
         self.active = [False] * s
@@ -130,7 +151,8 @@ class ModelAllocator:
         counts = [0] * self.sz.num_pages
         for row in self.pages:
             for page in row:
-                counts[page] += 1
+                if page is not None:
+                    counts[page] += 1
         for page, n in self.external.items():
             counts[page] += n
         return counts
@@ -142,19 +164,29 @@ class ModelAllocator:
         """Reserved slots not yet written."""
         return self.lengths[b] - len(self.tokens[b])
 
+    def dead(self, b: int) -> int:
+        """Leading cells of row ``b`` that :meth:`slide` released (its first live block)."""
+        row = self.pages[b]
+        return next((m for m, page in enumerate(row) if page is not None), len(row))
+
+    def live_pages(self, b: int) -> list[int]:
+        return [page for page in self.pages[b] if page is not None]
+
     def _needs_copy(self, writes_last: list[bool], num_new: list[int]) -> list[bool]:
         """Copy-on-write rule: a row writing into a shared partial last page copies it, except
         that when every holder writes tokens (not an explicit copy-on-write) and all have the
         same length, the highest row keeps it."""
         refs = self.ref_counts()
+        # A row whose partial last page was slid away holds the sentinel there: nothing to
+        # copy (its writes into that block land on the sentinel, which nobody reads).
         writers = collections.defaultdict(list)
         for b, w in enumerate(writes_last):
-            if w:
+            if w and self.pages[b][-1] is not None:
                 writers[self.pages[b][-1]].append(b)
         out = []
         for b, w in enumerate(writes_last):
             page = self.pages[b][-1] if w else None
-            if not w or refs[page] == 1:
+            if page is None or refs[page] == 1:
                 out.append(False)
                 continue
             group = writers[page]
@@ -232,10 +264,24 @@ class ModelAllocator:
         self.active = list(ok)
         return ok
 
+    def slide(self, keep_from: list[int]) -> list[int]:
+        """Each active row releases its cells wholly before ``keep_from[b]``, never past its
+        length (they become None, the sentinel); the length stays. Returns the cells each row
+        gave up."""
+        released = []
+        for b, keep in enumerate(keep_from):
+            row, gone, keep = self.pages[b], 0, min(keep, self.lengths[b])
+            if self.active[b]:
+                for m in range(min(max(keep // self.sz.page_size, 0), len(row))):
+                    gone += row[m] is not None
+                    row[m] = None
+            released.append(gone)
+        return released
+
     def block_tables(self) -> np.ndarray:
         bt = np.full((self.sz.max_seqs, self.sz.max_pages_per_seq), self.sz.num_pages, np.int32)
         for b, row in enumerate(self.pages):
-            bt[b, :len(row)] = row
+            bt[b, :len(row)] = [self.sz.num_pages if page is None else page for page in row]
         return bt
 
     def stats(self) -> dict:
@@ -243,7 +289,8 @@ class ModelAllocator:
         page_fill = [0] * self.sz.num_pages
         for b, row in enumerate(self.pages):
             for m, page in enumerate(row):
-                page_fill[page] = max(page_fill[page], min(ps, self.lengths[b] - m * ps))
+                if page is not None:
+                    page_fill[page] = max(page_fill[page], min(ps, self.lengths[b] - m * ps))
         used = sum(n > 0 for n in refs)
         filled = sum(page_fill)
         return dict(free_pages=self.sz.num_pages - used, used_pages=used,
@@ -253,12 +300,73 @@ class ModelAllocator:
 
 
 # -- invariants on a real table -------------------------------------------------------------
+def slid_table_errors(table: pt.PageTable, external: collections.Counter | None = None,
+                      stats: pt.TableStats | None = None) -> list[str]:
+    """The table's invariants with :func:`~paxkv.table.page_table.slide` in play (the ones
+    ``experiments.table_ops.table_errors`` checks, except that a row may start with sentinel
+    cells):
+
+    * row ``b``'s cells are the sentinel before its first live block ``dead_b``, real pages
+      (each once) from there to ``ceil(lengths[b] / page_size)``, the sentinel after; an
+      inactive row is all sentinel with length 0; no row is longer than ``max_len``;
+    * a page's ref count = the live cells naming it + its external holds (nothing leaks,
+      nothing counted twice), so a page is free (ref count 0) iff nobody holds it, and no row
+      names a free page;
+    * ``pages_referenced`` counts each row's live cells; ``stats``: free + used = all pages,
+      free = the pages with ref count 0.
+    """
+    bt, lengths, refs, active = (np.asarray(table.block_tables), np.asarray(table.lengths),
+                                 np.asarray(table.ref_counts), np.asarray(table.active))
+    n, ps, width = table.num_pages, table.page_size, table.max_pages_per_seq
+    held = -(-lengths // ps)
+    real = bt != table.sentinel
+    # dead_b: the first real cell, or held when the row names no page (all slid, or empty)
+    dead = np.minimum(np.where(real.any(axis=1), np.argmax(real, axis=1), width), held)
+    m = np.arange(width)[None, :]
+    live = (m >= dead[:, None]) & (m < held[:, None])
+    named = bt[live]
+    errors = []
+    if not np.all((named >= 0) & (named < n)):
+        errors.append("a live cell points outside the pool (or is the sentinel)")
+    if not np.all(bt[~live] == table.sentinel):
+        errors.append(f"rows {np.flatnonzero((~live & real).any(axis=1))} have real cells "
+                      "before their first live block or past ceil(length / page_size)")
+    if np.any(lengths[~active] != 0) or np.any(lengths < 0) or np.any(lengths > table.max_len):
+        errors.append("an inactive row has a length, or a length is out of range")
+    expected = np.bincount(np.clip(named, 0, n), minlength=n + 1)[:n]
+    for page, count in (external or {}).items():
+        expected[page] += count
+    if np.any(refs != expected):
+        errors.append(f"ref counts differ from holders at pages {np.flatnonzero(refs != expected)}")
+    if np.any(refs < 0) or np.any(refs[np.clip(named, 0, n - 1)] <= 0):
+        errors.append("a negative ref count, or a row names a free page")
+    twice = [b for b in range(table.max_seqs)
+             if len(set(bt[b, dead[b]:held[b]])) != held[b] - dead[b]]
+    if twice:
+        errors.append(f"rows {twice} hold a page twice")
+    referenced = np.asarray(pages_referenced_jit(table))
+    if not np.array_equal(referenced, held - dead):
+        errors.append(f"pages_referenced {referenced} != live cells {held - dead}")
+    stats = jax.device_get(stats_jit(table)) if stats is None else stats
+    if int(stats.free_pages) + int(stats.used_pages) != n or (
+            int(stats.free_pages) != int(np.sum(refs == 0))):
+        errors.append(f"stats: {int(stats.free_pages)} free + {int(stats.used_pages)} used, "
+                      f"{int(np.sum(refs == 0))} pages with ref count 0, {n} pages")
+    return errors
+
+
 def assert_table_invariants(table: pt.PageTable, external: collections.Counter | None = None):
-    """The table's invariants (``experiments.table_ops.table_errors``: the one checker, which
-    the cancellation experiment runs too); returns the table's stats."""
-    errors = table_errors(table, external)
+    """The table's invariants (:func:`slid_table_errors`; on a table no row of which has slid,
+    also ``experiments.table_ops.table_errors``, the one checker the cancellation experiment
+    runs, which knows nothing of slide); returns the table's stats."""
+    stats = jax.device_get(stats_jit(table))
+    errors = slid_table_errors(table, external, stats)
     assert not errors, errors
-    return jax.device_get(stats_jit(table))
+    held = -(-np.asarray(table.lengths) // table.page_size)
+    if np.array_equal(np.sum(np.asarray(table.block_tables) != table.sentinel, axis=1), held):
+        errors = table_errors(table, external)
+        assert not errors, errors
+    return stats
 
 
 # -- the state machine ----------------------------------------------------------------------
@@ -267,6 +375,8 @@ class PageTableMachine(RuleBasedStateMachine):
 
     ops = 0  # operations run across all examples of one test run
     op_mix: collections.Counter[str] = collections.Counter()
+    # How often the run met the cases slide adds (asserted non-zero at the end of the test).
+    coverage: collections.Counter[str] = collections.Counter()
 
     def _done(self, op: str):
         PageTableMachine.ops += 1
@@ -278,6 +388,9 @@ class PageTableMachine(RuleBasedStateMachine):
         self.model = ModelAllocator(sizes)
         self.table = sizes.table()
         self.pool = sizes.pool()
+        self.nan_pool = sizes.pool(fill=POISON)
+        self.free = set(range(sizes.num_pages))  # free pages as of the last poisoning
+        self.slid_free: set[int] = set()  # pages a slide freed that no reserve took since
         self.readback: dict[int, tuple[float, float]] = {}  # token -> (k, v) as stored
         self.next_token = 1
         self.write_width = sizes.max_len  # one write can flush any row's pending slots
@@ -323,6 +436,11 @@ class PageTableMachine(RuleBasedStateMachine):
             model_ok, fresh, copies = self.model.reserve([0] * self.sz.max_seqs, cow, 0)
         self.pool = apply_jit(self.pool, update)
         self._check_update(update, ok, model_ok, fresh, copies, k_before, v_before)
+        reused = self.slid_free & set(fresh)
+        PageTableMachine.coverage["reserve_reused_a_page_slide_freed"] += len(reused)
+        self.slid_free -= reused
+        PageTableMachine.coverage["copy_on_write_in_a_slid_row"] += sum(
+            self.model.dead(b) > 0 for b in copies)
 
     def _write(self, counts: list[int]):
         """Writes ``counts[b]`` new tokens after each row's written prefix; positions past the
@@ -347,8 +465,9 @@ class PageTableMachine(RuleBasedStateMachine):
                 self.readback[token] = float(k_vals[b, t, 0, 0]), float(v_vals[b, t, 0, 0])
                 if pos < self.model.lengths[b]:
                     page = self.model.pages[b][pos // ps]
-                    expected_pages[b, t] = page
-                    k_exp[page, pos % ps], v_exp[page, pos % ps] = self.readback[token]
+                    if page is not None:  # else a slid block: the sentinel takes the write
+                        expected_pages[b, t] = page
+                        k_exp[page, pos % ps], v_exp[page, pos % ps] = self.readback[token]
                     self.model.tokens[b].append(token)
         pages, offsets = slot_mapping_jit(self.table, positions)
         assert_equal(np.asarray(pages), expected_pages)
@@ -363,13 +482,25 @@ class PageTableMachine(RuleBasedStateMachine):
     # One rule draws the operation from a fixed mix (hypothesis would otherwise switch whole
     # rules off per example, and most examples would never fork a live row).
     MIX = (("reserve",) * 5 + ("write",) * 4 + ("fork",) * 3 + ("release",) * 3
-           + ("copy_on_write",) * 2 + ("retain",) * 2 + ("reorder",) * 2)
+           + ("slide",) * 3 + ("copy_on_write",) * 2 + ("retain",) * 2 + ("reorder",) * 2)
 
     @rule(data=st.data())
     def step(self, data):
         op = data.draw(st.sampled_from(self.MIX), label="operation")
         getattr(self, f"_op_{op}")(data)
+        self._poison_freed()
         self._done(op)
+
+    def _poison_freed(self):
+        """Overwrites every page the op freed with NaN (a free page may hold anything: the next
+        reserve scrubs it), so a row that still reads one fails the read-back."""
+        free = set(self.model.free_pages())
+        freed = sorted(free - self.free)
+        self.free = free
+        if freed:
+            n = self.sz.num_pages
+            pages = np.asarray(freed + [n + 1] * (n - len(freed)), np.int32)  # fixed width
+            self.pool = _poison(self.pool, self.nan_pool, pages)
 
     def _op_reserve(self, data):
         sz = self.sz
@@ -399,9 +530,13 @@ class PageTableMachine(RuleBasedStateMachine):
         # NOTE: forks happen between steps, after a step has written its reserved slots (a
         # child shares the parent's partial page, so pending writes would reach both).
         self._write([self.model.pending(b) if b in parents else 0 for b in range(s)])
+        slid = [self.model.dead(p) > 0 if 0 <= p < s else False for p in parents]
         self.table, ok = fork_jit(self.table, np.asarray(parents, np.int32),
                                   np.asarray(children, np.int32))
-        assert_equal(np.asarray(ok), self.model.fork(parents, children))
+        model_ok = self.model.fork(parents, children)
+        assert_equal(np.asarray(ok), model_ok)
+        PageTableMachine.coverage["fork_of_a_slid_row"] += sum(
+            o and d for o, d in zip(model_ok, slid))
 
     def _op_reorder(self, data):
         """Beam search's reorder: each row continues a (mostly live) parent, itself, or is
@@ -413,20 +548,61 @@ class PageTableMachine(RuleBasedStateMachine):
                    for b in range(s)]
         # NOTE: as for fork, a parent's reserved slots are written before its pages are shared.
         self._write([self.model.pending(b) if b in parents else 0 for b in range(s)])
+        slid = [self.model.dead(b) > 0 for b in range(s)]
         self.table, ok = reorder_jit(self.table, np.asarray(parents, np.int32))
-        assert_equal(np.asarray(ok), self.model.reorder(parents))
+        model_ok = self.model.reorder(parents)
+        assert_equal(np.asarray(ok), model_ok)
+        PageTableMachine.coverage["reorder_onto_a_slid_parent"] += sum(
+            o and slid[p] for o, p in zip(model_ok, parents))
+
+    def _op_slide(self, data):
+        """A sliding-window layer group drops each row's pages before ``keep_from[b]``: mostly
+        ``length - window + 1`` for one window per op (the next query's window), else any
+        position up to the length, now and then one past it or negative; inactive rows get
+        values too, which slide must ignore."""
+        sz, m = self.sz, self.model
+        if data.draw(st.booleans()):
+            window = data.draw(st.integers(1, sz.max_len + 1))
+            base = m.lengths if data.draw(st.booleans()) else [len(t) for t in m.tokens]
+            keep_from = [max(0, length - window + 1) for length in base]
+        else:
+            keep_from = [data.draw(st.one_of(
+                *[st.integers(0, m.lengths[b])] * 6, st.integers(-2, m.lengths[b] + sz.page_size),
+                st.just(10**6))) for b in range(sz.max_seqs)]
+        pages_before = [list(row) for row in m.pages]
+        free_before = set(m.free_pages())
+        self.table, released = slide_jit(self.table, np.asarray(keep_from, np.int32))
+        assert_equal(np.asarray(released), m.slide(keep_from))
+        freed = set(m.free_pages()) - free_before
+        self.slid_free |= freed
+        refs = m.ref_counts()
+        dropped = [p for old, new in zip(pages_before, m.pages)
+                   for p, q in zip(old, new) if p is not None and q is None]
+        cov = PageTableMachine.coverage
+        cov["slide_freed_a_page"] += len(freed)
+        cov["slide_dropped_a_page_another_holder_keeps"] += sum(refs[p] > 0 for p in dropped)
+        partial = [length % sz.page_size != 0 and new and old[-1] is not None
+                   for length, old, new in zip(m.lengths, pages_before, m.pages)]
+        assert all(new[-1] is not None for p, new in zip(partial, m.pages) if p), \
+            "slide dropped a partial last page the row may still write into"
+        cov["slide_past_the_end_kept_a_partial_last_page"] += sum(
+            p and keep > length for p, keep, length in zip(partial, keep_from, m.lengths))
 
     def _op_release(self, data):
         rows = data.draw(self._row_mask())
+        slid = [self.model.dead(b) > 0 for b in range(self.sz.max_seqs)]
         self.table, ok = release_jit(self.table, np.asarray(rows))
-        assert_equal(np.asarray(ok), self.model.release(rows))
+        model_ok = self.model.release(rows)
+        assert_equal(np.asarray(ok), model_ok)
+        PageTableMachine.coverage["release_of_a_slid_row"] += sum(
+            o and d for o, d in zip(model_ok, slid))
 
     def _op_retain(self, data):
         """An external holder (a prefix index) takes references to pages rows hold, or drops
         some it took; ids past the pool are ignored. It keeps at most a third of the pool."""
         r, n = self.sz.retain_width, self.sz.num_pages
         held = sorted(self.model.external.elements())
-        in_rows = sorted({p for row in self.model.pages for p in row})
+        in_rows = sorted({p for b in range(self.sz.max_seqs) for p in self.model.live_pages(b)})
         if held and (len(held) >= n // 3 or data.draw(st.booleans())):
             pages = data.draw(st.lists(st.sampled_from(held), max_size=r)
                               .filter(lambda ps: all(ps.count(p) <= held.count(p) for p in ps)))
@@ -453,13 +629,22 @@ class PageTableMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_its_tokens(self):
-        """Through the real block table (not the model's pages)."""
+        """Through the real block table (not the model's pages), from each row's first live
+        block on (a slid block is the sentinel: nobody reads it). A row's live slots hold its
+        tokens, never a poisoned (freed) page's NaN."""
         k, v = self._pool_np()
         ps, block_tables = self.sz.page_size, np.asarray(self.table.block_tables)
+        # Attention reads a row's live pages whole (slots past the length masked, and NaN * 0
+        # is NaN): no slot of a page a row holds may be poisoned.
+        live = np.unique(block_tables[block_tables < self.sz.num_pages])
+        assert not np.isnan(k[live]).any() and not np.isnan(v[live]).any(), "a held page is NaN"
         for b, tokens in enumerate(self.model.tokens):
-            pos = np.arange(len(tokens))
+            first = self.model.dead(b) * ps
+            pos = np.arange(first, max(first, len(tokens)))
             pages = block_tables[b, pos // ps]
-            stored = np.array([self.readback[t] for t in tokens], np.float32).reshape(-1, 2)
+            assert np.all(pages < self.sz.num_pages), f"row {b} reads the sentinel"
+            stored = np.array([self.readback[t] for t in tokens[first:]],
+                              np.float32).reshape(-1, 2)
             assert_equal(k[pages, pos % ps], stored[:, 0], f"row {b} keys")
             assert_equal(v[pages, pos % ps], stored[:, 1], f"row {b} values")
 
@@ -478,18 +663,29 @@ class PageTableMachine(RuleBasedStateMachine):
         assert int(stats_jit(self.table).free_pages) == self.sz.num_pages
 
 
+SLIDE_CASES = ("slide_freed_a_page", "slide_dropped_a_page_another_holder_keeps",
+               "slide_past_the_end_kept_a_partial_last_page", "reserve_reused_a_page_slide_freed",
+               "copy_on_write_in_a_slid_row", "fork_of_a_slid_row", "reorder_onto_a_slid_parent",
+               "release_of_a_slid_row")
+
+
 def test_state_machine_against_model_allocator():
     """At least MIN_OPS_PER_RUN random operations, each followed by every check above."""
     PageTableMachine.ops = 0
     PageTableMachine.op_mix.clear()
+    PageTableMachine.coverage.clear()
     while PageTableMachine.ops < MIN_OPS_PER_RUN:  # examples vary in length: top up if short
         examples = (MIN_OPS_PER_RUN - PageTableMachine.ops) // 40 + 5
         run_state_machine_as_test(PageTableMachine, settings=settings(
             max_examples=examples, stateful_step_count=50, deadline=None, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     print(f"page-table state machine: {PageTableMachine.ops} operations",
-          dict(PageTableMachine.op_mix))
+          dict(PageTableMachine.op_mix), dict(PageTableMachine.coverage))
     assert PageTableMachine.ops >= MIN_OPS_PER_RUN
+    # The run met every case slide adds: freed pages reused, slid rows forked, reordered,
+    # released and copied on write, pages kept alive by another holder, partial pages slid.
+    missing = [case for case in SLIDE_CASES if not PageTableMachine.coverage[case]]
+    assert not missing, (missing, dict(PageTableMachine.coverage))
 
 
 # -- exhaustion -----------------------------------------------------------------------------
@@ -703,6 +899,124 @@ def test_released_pages_come_back_scrubbed():
     assert np.all(np.asarray(pool.k)[0, :2] == 0.0) and np.all(np.asarray(pool.v)[0, :2] == 0.0)
 
 
+# -- slide ---------------------------------------------------------------------------------
+@jax.jit
+def _slide_then_reserve(table, pool, keep_from, num_new):
+    """One step of a sliding-window group: drop what left the window, then grow."""
+    table, released = pt.slide(table, keep_from)
+    table, update, ok = pt.reserve(table, num_new, max_new=6)
+    return table, kv_pool.apply(pool, update), update, released, ok
+
+
+def test_slide_frees_pages_inside_the_jitted_step_and_the_next_reserve_reuses_them():
+    sz = SIZES[0]
+    n = S = sz.num_pages
+    table = _reserve_all(sz.table(), [6] * 6)  # row b: pages [2b, 2b + 1], 6 tokens each
+    assert int(stats_jit(table).free_pages) == 0
+    pool = sz.pool(fill=3.0)  # every page holds something
+    keep_from = np.array([4, 0, 6, 3, 0, 0], np.int32)  # rows 0, 2 drop block 0; row 3 not yet
+    num_new = np.array([0, 6, 0, 6, 0, 0], np.int32)  # rows 1, 3 need one page each
+    # Without the slide the pool is full and both requests fail.
+    assert_equal(np.asarray(reserve_jit(table, num_new, max_new=6)[2]),
+                 [True, False, True, False, True, True])
+    new, new_pool, update, released, ok = _slide_then_reserve(table, pool, keep_from, num_new)
+    assert_equal(np.asarray(released), [1, 0, 1, 0, 0, 0])
+    assert_equal(np.asarray(ok), [True] * 6)
+    # The pages the slide released (0 and 4) are the ones this reserve hands out, in id order.
+    fresh = np.asarray(update.fresh_pages)
+    assert_equal(fresh[:2], [0, 4])
+    assert np.all(fresh[2:] == n + 1)
+    assert np.all(np.asarray(update.copy_src) == n + 1)
+    assert np.all(np.asarray(update.copy_dst) == n + 1)
+    # Nothing else changed.
+    expected = np.asarray(table.block_tables).copy()
+    expected[0, 0] = expected[2, 0] = S
+    expected[1, 2], expected[3, 2] = 0, 4
+    assert_equal(np.asarray(new.block_tables), expected)
+    assert_equal(np.asarray(new.lengths), [6, 12, 6, 12, 6, 6])
+    assert_equal(np.asarray(new.active), [True] * 6)
+    assert_equal(np.asarray(new.ref_counts), [1] * n)
+    assert_equal(np.asarray(pages_referenced_jit(new)), [1, 3, 1, 3, 2, 2])
+    k, v = np.asarray(new_pool.k)[0, :, 0, :, 0], np.asarray(new_pool.v)[0, :, 0, :, 0]
+    scrubbed = np.isin(np.arange(n + 1), [0, 4])
+    assert np.all(k[scrubbed] == 0.0) and np.all(v[scrubbed] == 0.0)
+    assert np.all(k[~scrubbed] == 3.0) and np.all(v[~scrubbed] == 3.0), "touched other pages"
+    assert_table_invariants(new)
+    # The same as the ops one call after another (the file's jitted ops).
+    slid, one_by_one_released = slide_jit(table, keep_from)
+    one_by_one, one_by_one_update, one_by_one_ok = reserve_jit(slid, num_new, max_new=6)
+    _assert_trees_equal(
+        (one_by_one, apply_jit(pool, one_by_one_update), one_by_one_update,
+         one_by_one_released, one_by_one_ok),
+        (new, new_pool, update, released, ok))
+
+
+def test_slide_on_a_forked_pair_frees_a_page_only_when_both_holders_slid_past_it():
+    sz = SIZES[0]
+    n = S = sz.num_pages
+    rest = [0] * 4  # rows 2..5 stay inactive: slide must ignore their keep_from
+
+    def slide(table, keep_from, released):
+        new, got = slide_jit(table, np.asarray(keep_from, np.int32))
+        assert_equal(np.asarray(got), released)
+        return new
+
+    def free(table):
+        assert_table_invariants(table, external)
+        return set(np.flatnonzero(np.asarray(table.ref_counts) == 0).tolist())
+
+    table = _reserve_all(sz.table(), [6] + [0] * 5, [4] + [0] * 5)  # row 0: pages 0, 1, 2
+    table, ok = fork_jit(table, np.array([0, 9, 9], np.int32), np.array([1, 9, 9], np.int32))
+    assert_equal(np.asarray(ok), [True, False, False])
+    table = retain_jit(table, np.array([1, n + 1, n + 1], np.int32), 1)  # a prefix index: page 1
+    external = collections.Counter({1: 1})
+    idle = set(range(3, n))
+    assert free(table) == idle
+    # Row 0 slides past pages 0 and 1: row 1 still holds them, nothing is freed.
+    table = slide(table, [8, 0, 20, 20, 20, 20], [2, 0] + rest)
+    assert_equal(np.asarray(table.block_tables)[:2, :3], [[S, S, 2], [0, 1, 2]])
+    assert_equal(np.asarray(table.ref_counts)[:3], [1, 2, 2])
+    assert free(table) == idle
+    # Sliding again is a no-op (slid cells are not dropped twice), as is a keep_from behind.
+    before = _table_np(table)
+    for keep in ([8, 0], [4, 0], [-1, -1]):
+        again = slide(table, keep + [99] * 4, [0, 0] + rest)
+        for name, value in before.items():
+            assert_equal(_table_np(again)[name], value, name)
+    # Row 1 slides past page 0: both holders have, so page 0 is free.
+    table = slide(table, [8, 4, 0, 0, 0, 0], [0, 1] + rest)
+    assert free(table) == idle | {0}
+    # Both rows slid past page 1, but the prefix index holds it: still in use until it drops it.
+    table = slide(table, [0, 9, 0, 0, 0, 0], [0, 1] + rest)
+    assert_equal(np.asarray(table.block_tables)[:2, :3], [[S, S, 2], [S, S, 2]])
+    assert_equal(np.asarray(table.ref_counts)[:3], [0, 1, 2])
+    assert free(table) == idle | {0}
+    table = retain_jit(table, np.array([1, n + 1, n + 1], np.int32), -1)
+    external.clear()
+    assert free(table) == idle | {0, 1}
+    # The shared partial page 2 (10 tokens, page 4) is copied when row 1 writes, into page 0:
+    # the lowest free page, one the slides released.
+    table, update, ok = reserve_jit(table, np.array([0, 1, 0, 0, 0, 0], np.int32), max_new=6)
+    assert_equal(np.asarray(ok), [True] * 6)
+    assert_equal(np.asarray(update.copy_src)[:2], [n + 1, 2])
+    assert_equal(np.asarray(update.copy_dst)[:2], [n + 1, 0])
+    assert_equal(np.asarray(table.block_tables)[:2, :3], [[S, S, 2], [S, S, 0]])
+    assert free(table) == idle | {1}
+    # Releasing a slid row drops its live cells only.
+    table, ok = release_jit(table, np.array([True] + [False] * 5))
+    assert_equal(np.asarray(table.ref_counts)[:3], [1, 0, 0])
+    assert free(table) == idle | {1, 2}
+    # Three holders (two forks of row 0): two slide past page 0 in one call, then the third.
+    table = _reserve_all(sz.table(), [6] + [0] * 5, [2] + [0] * 5)  # row 0: pages 0, 1 full
+    table, ok = fork_jit(table, np.array([0, 0, 9], np.int32), np.array([1, 2, 9], np.int32))
+    assert_equal(np.asarray(ok), [True, True, False])
+    table = slide(table, [4, 4, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0])
+    assert_equal(np.asarray(table.ref_counts)[:2], [1, 3])
+    assert free(table) == set(range(2, n))
+    table = slide(table, [0, 0, 5, 0, 0, 0], [0, 0, 1, 0, 0, 0])
+    assert free(table) == {0} | set(range(2, n))
+
+
 # -- eager == jitted, donation, validation --------------------------------------------------
 def _assert_trees_equal(eager, jitted):
     leaves_e, tree_e = jax.tree.flatten(eager)
@@ -718,11 +1032,14 @@ def _assert_trees_equal(eager, jitted):
 
 
 def _busy_state(sz: Sizes) -> pt.PageTable:
-    """Shared partial pages, a retained page, a released row, ragged lengths."""
+    """Shared partial pages, a retained page, a released row, ragged lengths, and rows that
+    slid past a page their fork still holds."""
     table, _, _ = reserve_jit(sz.table(), np.array([5, 3, 6, 0, 1, 0], np.int32), max_new=6)
     table, _ = fork_jit(table, np.array([0, 2, 4], np.int32), np.array([3, 5, 4], np.int32))
     table = retain_jit(table, np.array([1, 1, 99], np.int32), 1)
     table, _ = release_jit(table, np.array([False, True, False, False, False, False]))
+    table, released = slide_jit(table, np.array([4, 0, 0, 0, 0, 6], np.int32))
+    assert_equal(np.asarray(released), [1, 0, 0, 0, 0, 1])
     assert_table_invariants(table, collections.Counter({1: 2}))
     return table
 
@@ -735,6 +1052,7 @@ def test_eager_and_jitted_ops_agree():
     parents, children = np.array([0, 2, 7], np.int32), np.array([1, 1, 0], np.int32)
     beams = np.array([2, 2, -1, 0, 1, 6], np.int32)
     retained = np.array([0, 3, 12], np.int32)
+    keep_from = np.array([5, 4, 9, 8, -1, 10**6], np.int32)
     positions = np.full((6, sz.max_len), -1, np.int32)  # the state machine's write width
     positions[:, :3] = [[4, 5, -1], [0, 1, 2], [6, 7, 8], [-1, -1, -1], [5, 6, 7], [30, 2, 3]]
     _, update, _ = pt.reserve(table, num_new, max_new=6, cow=cow)
@@ -750,6 +1068,8 @@ def test_eager_and_jitted_ops_agree():
         (lambda: pt.fork(table, parents, children), lambda: fork_jit(table, parents, children)),
         (lambda: pt.reorder(table, beams), lambda: reorder_jit(table, beams)),
         (lambda: pt.retain(table, retained, 1), lambda: retain_jit(table, retained, 1)),
+        (lambda: pt.slide(table, keep_from), lambda: slide_jit(table, keep_from)),
+        (lambda: pt.pages_referenced(table), lambda: pages_referenced_jit(table)),
         (lambda: pt.slot_mapping(table, positions), lambda: slot_mapping_jit(table, positions)),
         (lambda: pt.stats(table), lambda: stats_jit(table)),
         (lambda: kv_pool.apply(pool, update), lambda: apply_jit(pool, update)),

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,6 +33,13 @@ from pallas_kernels.reference import (paged_decode_attention_reference,
 
 INTERPRET = jax.default_backend() != "gpu"  # on a GPU: compiled, not interpreted
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 2e-2}
+
+
+def ready(x):
+    """``x`` once computed. NOTE: an interpret-mode kernel runs eager JAX ops in its host
+    callbacks, and eager JAX work the test dispatches meanwhile (a reference) can deadlock
+    with them (seen on 2 CPUs: both threads stuck in ``apply_primitive``): await each call."""
+    return jax.block_until_ready(x)
 
 
 @pytest.fixture(autouse=True)
@@ -61,13 +69,15 @@ def edge_lengths(page_size: int, long: int) -> list[int]:
     return [0, 1, page_size - 1, page_size, page_size + 1, long]
 
 
-def make_pool(seed, case: Case, lengths, *, shared_pages: int = 1, spare_pages: int = 3):
+def make_pool(seed, case: Case, lengths, *, shared_pages: int = 1, spare_pages: int = 3,
+              first_seen=None):
     """Pages, a randomly permuted block table and per-sequence lengths.
 
     Sequences 4 and 5 share their first ``shared_pages`` pages (a forked prefix). Returns
     clean and poisoned pools: every slot no sequence can see (free pages, the tail of a
-    partly filled page) is NaN in the poisoned one, and table padding points at NaN pages
-    or outside the pool.
+    partly filled page; with ``first_seen[b]``, the first key any query of sequence ``b``
+    sees under a sliding window, also the slots before it) is NaN in the poisoned one, and
+    table padding points at NaN pages or outside the pool.
     """
     rng = np.random.default_rng(seed)
     s = case.page_size
@@ -78,6 +88,7 @@ def make_pool(seed, case: Case, lengths, *, shared_pages: int = 1, spare_pages: 
     perm = rng.permutation(num_pages)
     table = np.empty((len(lengths), max_pages), np.int32)
     live = np.zeros((num_pages, s), bool)
+    first_seen = np.zeros(len(lengths), np.int64) if first_seen is None else first_seen
     used = 0
     for b, (n, length) in enumerate(zip(need, lengths)):
         row = perm[used:used + n]
@@ -87,7 +98,7 @@ def make_pool(seed, case: Case, lengths, *, shared_pages: int = 1, spare_pages: 
         pad = rng.choice([perm[-1], num_pages + 7, -1, 2**30], max_pages - n)
         table[b] = np.concatenate([row, pad])
         for p in range(n):
-            live[row[p], : min(s, length - p * s)] = True
+            live[row[p], max(0, first_seen[b] - p * s): min(s, length - p * s)] = True
     shape = (num_pages, case.num_kv_heads, s, case.head_dim)
     k = rng.standard_normal(shape, np.float32)
     v = rng.standard_normal(shape, np.float32)
@@ -122,11 +133,12 @@ def test_decode_matches_reference(case):
                                               case.head_dim), case.dtype)
     kw = dict(case.kwargs)
     ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "logit_soft_cap")}
-    out = paged_decode_attention(q, *poisoned, table, lengths, interpret=INTERPRET, **kw)
+    out = ready(paged_decode_attention(q, *poisoned, table, lengths, interpret=INTERPRET, **kw))
     ref = paged_decode_attention_reference(q, *clean, table, lengths, **ref_kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     if case.clean_run:
-        out_clean = paged_decode_attention(q, *clean, table, lengths, interpret=INTERPRET, **kw)
+        out_clean = ready(paged_decode_attention(q, *clean, table, lengths,
+                                                 interpret=INTERPRET, **kw))
         np.testing.assert_array_equal(np.asarray(out, np.float32),
                                       np.asarray(out_clean, np.float32))
     assert not np.asarray(out[0]).any(), "a length-0 row must be exactly zero"
@@ -155,11 +167,11 @@ def test_prefill_matches_reference(case):
     kw = dict(case.kwargs)
     ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "logit_soft_cap")}
     args = (table, lengths, query_lengths)
-    out = paged_prefill_attention(q, *poisoned, *args, interpret=INTERPRET, **kw)
+    out = ready(paged_prefill_attention(q, *poisoned, *args, interpret=INTERPRET, **kw))
     ref = paged_prefill_attention_reference(q, *clean, *args, **ref_kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     if case.clean_run:
-        out_clean = paged_prefill_attention(q, *clean, *args, interpret=INTERPRET, **kw)
+        out_clean = ready(paged_prefill_attention(q, *clean, *args, interpret=INTERPRET, **kw))
         np.testing.assert_array_equal(np.asarray(out, np.float32),
                                       np.asarray(out_clean, np.float32))
     t = np.arange(q.shape[1])[None, :]
@@ -182,8 +194,8 @@ def test_decode_reads_its_layer_of_the_pool():
     clean, poisoned, table, lengths = make_pool(10, case, edge_lengths(case.page_size, 100))
     q = jax.random.normal(jax.random.key(11), (len(lengths), 6, case.head_dim), case.dtype)
     k_pool, v_pool = (stack_layers(x, 1) for x in poisoned)
-    out = paged_decode_attention(q, k_pool, v_pool, table, lengths, layer=jnp.int32(1),
-                                 num_splits=2, interpret=INTERPRET)
+    out = ready(paged_decode_attention(q, k_pool, v_pool, table, lengths, layer=jnp.int32(1),
+                                       num_splits=2, interpret=INTERPRET))
     ref = paged_decode_attention_reference(q, *clean, table, lengths)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not np.asarray(out[0]).any()
@@ -199,8 +211,8 @@ def test_prefill_reads_its_layer_of_the_pool():
     q = jax.random.normal(jax.random.key(13), (4, 16, 6, case.head_dim), case.dtype)
     k_pool, v_pool = (stack_layers(x, 2) for x in poisoned)
     args = (table, lengths, query_lengths)
-    out = paged_prefill_attention(q, k_pool, v_pool, *args, layer=jnp.int32(2), block_q=8,
-                                  interpret=INTERPRET)
+    out = ready(paged_prefill_attention(q, k_pool, v_pool, *args, layer=jnp.int32(2), block_q=8,
+                                        interpret=INTERPRET))
     ref = paged_prefill_attention_reference(q, *clean, *args)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_rows_close(out, ref, case.dtype, row_axes=(0, 1, 2))
@@ -228,7 +240,7 @@ def test_double_buffering_has_no_races(codes):
 FORMATS = {"int8": quant.INT8, "fp8": quant.FLOAT8}
 
 
-def make_scaled_pool(seed, case: Case, lengths, *, shared_pages: int = 1):
+def make_scaled_pool(seed, case: Case, lengths, *, shared_pages: int = 1, first_seen=None):
     """:func:`make_pool` quantised: ``(clean, poisoned, table, lengths)`` with clean and
     poisoned ``(k_codes, v_codes, scales)``, scales ``[num_pages, kv_heads, 2, page_size]``.
     Every slot no sequence can see holds codes ``quantise`` never writes and a NaN scale in
@@ -236,7 +248,8 @@ def make_scaled_pool(seed, case: Case, lengths, *, shared_pages: int = 1):
     fmt = FORMATS[case.codes]
     floats = dataclasses.replace(case, dtype="float32", codes=None)
     (k, v), (k_nan, _), table, lengths = make_pool(seed, floats, lengths,
-                                                   shared_pages=shared_pages)
+                                                   shared_pages=shared_pages,
+                                                   first_seen=first_seen)
     (k_codes, k_scale), (v_codes, v_scale) = quant.quantise(k, fmt), quant.quantise(v, fmt)
     scales = jnp.stack([k_scale, v_scale], axis=2)  # [pages, kv_heads, 2, page_size]
     dead = jnp.isnan(k_nan[..., 0])  # [pages, kv_heads, page_size]
@@ -268,14 +281,14 @@ def test_scaled_decode_matches_reference(case):
                                                case.head_dim), case.dtype)
     kw = dict(case.kwargs)
     ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "logit_soft_cap")}
-    out = paged_decode_attention(q, *poisoned[:2], table, lengths, scales=poisoned[2],
-                                 interpret=INTERPRET, **kw)
+    out = ready(paged_decode_attention(q, *poisoned[:2], table, lengths, scales=poisoned[2],
+                                       interpret=INTERPRET, **kw))
     ref = paged_decode_attention_reference(q, *clean[:2], table, lengths, scales=clean[2],
                                            **ref_kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     if case.clean_run:
-        out_clean = paged_decode_attention(q, *clean[:2], table, lengths, scales=clean[2],
-                                           interpret=INTERPRET, **kw)
+        out_clean = ready(paged_decode_attention(q, *clean[:2], table, lengths, scales=clean[2],
+                                                 interpret=INTERPRET, **kw))
         np.testing.assert_array_equal(np.asarray(out, np.float32),
                                       np.asarray(out_clean, np.float32))
     assert not np.asarray(out[0]).any(), "a length-0 row must be exactly zero"
@@ -298,8 +311,8 @@ def test_scaled_prefill_matches_reference(case):
                                                case.num_kv_heads * case.group, case.head_dim),
                           case.dtype)
     args = (table, lengths, query_lengths)
-    out = paged_prefill_attention(q, *poisoned[:2], *args, scales=poisoned[2],
-                                  interpret=INTERPRET, **dict(case.kwargs))
+    out = ready(paged_prefill_attention(q, *poisoned[:2], *args, scales=poisoned[2],
+                                        interpret=INTERPRET, **dict(case.kwargs)))
     ref = paged_prefill_attention_reference(q, *clean[:2], *args, scales=clean[2])
     assert out.shape == q.shape and out.dtype == q.dtype
     t = np.arange(q.shape[1])[None, :]
@@ -326,8 +339,8 @@ def test_int8_kernel_equals_the_float32_kernel_on_the_dequantised_pool(kernel):
                                 lengths=lengths, interpret=INTERPRET,
                                 query_lengths=jnp.minimum(lengths, 5))
         rows = (0, 1, 2)
-    out = run(k_pages=poisoned[0], v_pages=poisoned[1], scales=poisoned[2])
-    want = run(k_pages=floats[0], v_pages=floats[1])
+    out = ready(run(k_pages=poisoned[0], v_pages=poisoned[1], scales=poisoned[2]))
+    want = ready(run(k_pages=floats[0], v_pages=floats[1]))
     np.testing.assert_array_equal(np.asarray(out) == 0, np.asarray(want) == 0)
     assert_rows_close(out, want, jnp.float32, row_axes=rows)
 
@@ -408,6 +421,120 @@ def test_scaled_validation_names_the_fix():
         paged_decode_attention(q.astype(jnp.int8), codes, codes, table, lengths, scales=scales)
     with pytest.raises(ValueError, match="paxkv.cache.pool.write"):
         write_kv(codes, codes, q[:, None, :2], q[:, None, :2], table[:, :1], table[:, :1])
+
+
+# ---------------------------------------------------------------- sliding windows
+
+# below a page, across pages, across blocks (and splits), past every sequence (= no window)
+WINDOWS = (5, 40, 100, 10**6)
+WINDOW_DECODE_CASES = [
+    Case(3, 64, "bfloat16", kwargs=(("num_splits", 3),)),
+    Case(2, 64, "float32", kwargs=(("num_splits", 2),), codes="int8"),  # 32-token blocks
+]
+
+
+def windowed_pool(seed, case: Case, lengths, first_seen):
+    """:func:`make_pool` (or :func:`make_scaled_pool` for 8-bit cases) whose slots before
+    ``first_seen[b]`` are poisoned too, as pages a cache freed behind the window would be."""
+    make = make_scaled_pool if case.codes else make_pool
+    return make(seed, case, lengths, first_seen=np.asarray(first_seen))
+
+
+def pages_and_scales(pool):
+    """``(k, v)`` or ``(k, v, scales)`` -> the kernels' positional pages and ``scales=``."""
+    return pool[:2], (dict(scales=pool[2]) if len(pool) == 3 else {})
+
+
+@pytest.mark.parametrize("case", WINDOW_DECODE_CASES, ids=str)
+def test_windowed_decode_matches_reference(case):
+    """The window is traced (one compiled kernel for every window): each sequence sees its
+    last ``window`` keys, so a NaN anywhere before them (shared pages included) is never
+    read; past every sequence it is the kernel without a window, to the bit."""
+    lengths = edge_lengths(case.page_size, 3 * 64 + 5)
+    q = jax.random.normal(jax.random.key(31), (len(lengths), case.num_kv_heads * case.group,
+                                               case.head_dim), case.dtype)
+    kw = dict(case.kwargs)
+
+    @jax.jit
+    def attend(pool, table, lengths, window):
+        pages, scales = pages_and_scales(pool)
+        return paged_decode_attention(q, *pages, table, lengths, window=window,
+                                      interpret=INTERPRET, **scales, **kw)
+
+    for window in WINDOWS:
+        first_seen = np.maximum(np.asarray(lengths) - window, 0)
+        clean, poisoned, table, lens = windowed_pool(30, case, lengths, first_seen)
+        out = ready(attend(poisoned, table, lens, jnp.int32(window)))
+        pages, scales = pages_and_scales(clean)
+        ref = paged_decode_attention_reference(q, *pages, table, lens, window=window, **scales)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert not np.asarray(out[0]).any(), "a length-0 row must be exactly zero"
+        assert_rows_close(out, ref, case.dtype, row_axes=(0, 1))
+    if not case.codes:  # the last window is past every sequence
+        pages, scales = pages_and_scales(poisoned)
+        plain = ready(paged_decode_attention(q, *pages, table, lens, interpret=INTERPRET, **kw))
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+
+
+WINDOW_PREFILL_CASES = [
+    Case(2, 64, "bfloat16", kwargs=(("block_q", 8),)),
+    Case(2, 64, "float32", kwargs=(("block_q", 8),), codes="int8"),  # 32-token blocks
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_PREFILL_CASES, ids=str)
+def test_windowed_prefill_matches_reference(case):
+    """Ragged chunks under a traced window: a program starts at its first query's first key,
+    and a block feeds only the rows whose window reaches it (window 3: the chunk at 63..69
+    crosses a block boundary, so its last rows skip block 0)."""
+    s = case.page_size
+    lengths = np.asarray([0, 1, s - 1, s + 9, 70, 3 * 64 + 5])
+    query_lengths = np.asarray([0, 1, s - 1, 12, 23, 1], np.int32)
+    q = jax.random.normal(jax.random.key(33), (6, 24, case.num_kv_heads * case.group,
+                                               case.head_dim), case.dtype)
+    kw = dict(case.kwargs)
+
+    @jax.jit
+    def attend(pool, table, lengths, window):
+        pages, scales = pages_and_scales(pool)
+        return paged_prefill_attention(q, *pages, table, lengths, query_lengths, window=window,
+                                       interpret=INTERPRET, **scales, **kw)
+
+    for window in (3, 40, 10**6):
+        first_seen = np.maximum(lengths - query_lengths - window + 1, 0)
+        clean, poisoned, table, lens = windowed_pool(32, case, lengths, first_seen)
+        out = ready(attend(poisoned, table, lens, jnp.int32(window)))
+        pages, scales = pages_and_scales(clean)
+        ref = paged_prefill_attention_reference(q, *pages, table, lens, query_lengths,
+                                                window=window, **scales)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        t = np.arange(q.shape[1])[None, :]
+        assert not np.asarray(out)[t >= query_lengths[:, None]].any()
+        assert_rows_close(out, ref, case.dtype, row_axes=(0, 1, 2))
+
+
+def test_window_from_a_layer_table_indexed_by_a_traced_layer():
+    """As a model's layer scan passes them: ``layer`` traced, ``window = windows[layer]``, both
+    read by the kernel from one int32 operand; int32 max (a "full attention" entry) is no
+    window."""
+    case = POOL_CASE
+    lengths = edge_lengths(case.page_size, 100)
+    windows = jnp.asarray([2**31 - 1, 20, 7], jnp.int32)
+    q = jax.random.normal(jax.random.key(35), (len(lengths), 6, case.head_dim), case.dtype)
+
+    @jax.jit
+    def attend(k_pool, v_pool, table, lengths, windows, layer):
+        return paged_decode_attention(q, k_pool, v_pool, table, lengths, layer=layer,
+                                      window=windows[layer], num_splits=2, interpret=INTERPRET)
+
+    for layer in (1, 0):
+        window = int(windows[layer])
+        first_seen = np.maximum(np.asarray(lengths) - window, 0)
+        clean, poisoned, table, lens = make_pool(34, case, lengths, first_seen=first_seen)
+        k_pool, v_pool = (stack_layers(x, layer) for x in poisoned)
+        out = ready(attend(k_pool, v_pool, table, lens, windows, jnp.int32(layer)))
+        ref = paged_decode_attention_reference(q, *clean, table, lens, window=window)
+        assert_rows_close(out, ref, case.dtype, row_axes=(0, 1))
 
 
 # ---------------------------------------------------------------- KV writes and page copies
@@ -510,6 +637,11 @@ def test_trace_time_validation_names_the_fix():
     with pytest.raises(ValueError, match="integer scalar"):
         paged_prefill_attention(q[:, None], pool, pool, table, lengths, lengths,
                                 layer=jnp.ones((1,), jnp.int32))
+    with pytest.raises(ValueError, match="window must be an integer scalar"):
+        paged_decode_attention(q, pages, pages, table, lengths, window=4.0)
+    with pytest.raises(ValueError, match="window must be an integer scalar"):
+        paged_prefill_attention(q[:, None], pool, pool, table, lengths, lengths, layer=1,
+                                window=jnp.ones((2,), jnp.int32))
     with pytest.raises(ValueError, match="num_layers"):
         write_kv(pages, pages, q[:, None, :2], q[:, None, :2], table[:, :1], table[:, :1],
                  layer=0)
@@ -618,8 +750,63 @@ def test_lowers_for_cuda(name):
     kernel_name = {"decode": "paged_decode_ppb", "prefill": "paged_prefill_bq"}.get(
         name.split("-")[0], name)
     assert kernel_name in lowered.as_text(debug_info=True), "name= carries the tile sizes"
+    if kernel_name != name:  # window=None: no window in the kernel, (layer,) its one int
+        assert "_window" not in lowered.as_text(debug_info=True)
+        operands = custom_call_operands(hlo)
+        assert len(operands) == 1 and "tensor<1xi32>, tensor<4x16xi32>" in operands[0]
     if name in ("write_kv", "copy_pages"):  # the pages alias through the kernel and the jit
         assert "output_operand_aliases" in hlo and hlo.count("tf.aliasing_output") == 2
+
+
+WINDOWED_LOWERINGS = {  # (kernel, q dtype, group, head_dim, page_size, 8-bit codes)
+    "decode-bf16-g8-d128-ps16": ("decode", jnp.bfloat16, 8, 128, 16, None),
+    "decode-int8-g4-d64-ps16": ("decode", jnp.bfloat16, 4, 64, 16, "int8"),  # paired scales
+    "prefill-f32-g4-d128-ps16": ("prefill", jnp.float32, 4, 128, 16, None),
+    "prefill-int8-g1-d128-ps48": ("prefill", jnp.float32, 1, 128, 48, "int8"),
+}
+
+
+def _lower_windowed(name: str, semantics: str):
+    """-> ``(lowered, pool)``: the kernel of ``WINDOWED_LOWERINGS[name]`` on a 4-layer pool
+    with a traced layer and window, traced afresh (not from jit's cache) with every
+    ``plgpu.kernel`` under ``semantics`` lowering."""
+    kind, dtype, group, head_dim, page_size, codes = WINDOWED_LOWERINGS[name]
+    storage = FORMATS[codes].storage if codes else dtype
+    pool = jax.ShapeDtypeStruct((4, 64, 2, page_size, head_dim), storage)
+    kw = dict(layer=LAYER, window=LAYER)
+    if codes:
+        kw["scales"] = jax.ShapeDtypeStruct((4, 64, 2, 2, page_size), jnp.float32)
+    q = (4, 2 * group, head_dim) if kind == "decode" else (4, 32, 2 * group, head_dim)
+    lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+    args = (jax.ShapeDtypeStruct(q, dtype), pool, pool, jax.ShapeDtypeStruct((4, 16), jnp.int32),
+            lengths) + ((lengths,) if kind == "prefill" else ())
+    kernel = {"decode": paged_decode_attention, "prefill": paged_prefill_attention}[kind]
+    params = plgpu.CompilerParams(lowering_semantics=getattr(plgpu.LoweringSemantics, semantics))
+    build = plgpu.kernel
+    try:
+        plgpu.kernel = functools.partial(build, compiler_params=params)
+        fresh = jax.jit(functools.partial(kernel.__wrapped__))
+        return fresh.trace(*args, **kw).lower(lowering_platforms=("cuda",)), pool
+    finally:
+        plgpu.kernel = build
+
+
+@pytest.mark.parametrize("name", WINDOWED_LOWERINGS)
+def test_windowed_kernels_lower_for_cuda_under_both_semantics(name):
+    """With a traced window and layer the kernels lower for CUDA under Lane (jax 0.10.2's
+    default) and Warpgroup (0.11's) semantics; the window rides in the int32 (layer, window)
+    operand, and the pool reaches the custom call unsliced."""
+    texts = []
+    for semantics in ("Lane", "Warpgroup"):
+        lowered, pool = _lower_windowed(name, semantics)
+        hlo = lowered.as_text()
+        operands = custom_call_operands(hlo)
+        assert len(operands) == 1 and operands[0].count(mlir_type(pool)) == 2, operands
+        assert "tensor<2xi32>" in operands[0] and "tensor<1xi32>" not in operands[0], operands
+        assert "_window" in lowered.as_text(debug_info=True), "name= says it is windowed"
+        assert not pool_slices(hlo, pool)
+        texts.append(hlo)
+    assert texts[0] != texts[1], "both semantics lowered the same: the setting did not apply"
 
 
 # ---------------------------------------------------------------- the whole pool, no slice

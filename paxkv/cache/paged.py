@@ -244,8 +244,6 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
     import pallas_kernels  # noqa: PLC0415
 
     interpret = jax.default_backend() != "gpu"
-    if scores.get("window") is None:
-        scores = {k: v for k, v in scores.items() if k != "window"}
     lengths = jnp.where(step.query_lengths > 0, step.lengths, 0)
     if q.shape[1] == 1:
         return pallas_kernels.paged_decode_attention(

@@ -169,7 +169,8 @@ def slide(table: PageTable, keep_from: jax.Array) -> tuple[PageTable, jax.Array]
     One pass over the block tables. Returns ``(table, released)``: int32 ``[max_seqs]`` cells
     each row gave up (0 for a row with nothing before ``keep_from``).
     """
-    keep_from = jnp.asarray(keep_from, jnp.int32)
+    # Never past the row's end: a partial last page stays while the row can write into it.
+    keep_from = jnp.minimum(jnp.asarray(keep_from, jnp.int32), table.lengths)
     block = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :]
     dead = ((block < (keep_from // table.page_size)[:, None]) & table.active[:, None]
             & (table.block_tables != table.sentinel))

@@ -53,7 +53,9 @@ class PageTable:
         return self.max_pages_per_seq * self.page_size
 
     def pages_held(self) -> jax.Array:
-        """int32 ``[max_seqs]``: pages each row references."""
+        """int32 ``[max_seqs]``: each row's logical blocks, ``ceil(lengths / page_size)``: the
+        pages it references until :func:`paxkv.table.page_table.slide` drops its leading ones
+        (:func:`paxkv.table.page_table.pages_referenced` counts those left)."""
         return cdiv(self.lengths, self.page_size)
 
 

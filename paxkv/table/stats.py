@@ -87,8 +87,10 @@ class SharingStats:
 
 def sharing_stats(table: PageTable) -> SharingStats:
     """Per-row shared pages and what sharing saves (see :class:`SharingStats`)."""
-    held = table.pages_held()
-    cells = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :] < held[:, None]
+    blocks = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :]
+    cells = ((blocks < table.pages_held()[:, None])  # a slid row's released cells: sentinel
+             & (table.block_tables != table.sentinel))
+    held = jnp.sum(cells, axis=1, dtype=jnp.int32)
     refs = jnp.take(table.ref_counts, table.block_tables, mode="fill", fill_value=0)
     row_refs = jnp.zeros((table.num_pages,), jnp.int32).at[
         jnp.where(cells, table.block_tables, table.num_pages + 1)].add(1, mode="drop")
