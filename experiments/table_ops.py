@@ -24,6 +24,7 @@ _release = jax.jit(pt.release)
 _fork = jax.jit(pt.fork)
 _retain = jax.jit(pt.retain)
 _stats = jax.jit(pt.stats)
+_referenced = jax.jit(pt.pages_referenced)
 
 
 def host_table(table: pt.PageTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -31,31 +32,39 @@ def host_table(table: pt.PageTable) -> tuple[np.ndarray, np.ndarray, np.ndarray,
             np.asarray(table.ref_counts), np.asarray(table.active))
 
 
-def table_errors(table: pt.PageTable, external: Mapping[int, int] | None = None) -> list[str]:
+def table_errors(table: pt.PageTable, external: Mapping[int, int] | None = None,
+                 stats: pt.TableStats | None = None) -> list[str]:
     """What is wrong with ``table`` (nothing: ``[]``), given the references ``external``
     holders took with ``retain`` (page -> count, e.g. a prefix index). The invariants:
 
-    * row ``b`` holds ``ceil(lengths[b] / page_size)`` real pages, each once, then the
-      sentinel; an inactive row holds nothing; no row is longer than ``max_len``;
-    * a page's ref count = the table cells naming it + its external holds: nothing leaks
+    * row ``b``'s cells are the sentinel before its first live block ``dead_b`` (0 unless a
+      window group slid it: :func:`~paxkv.table.page_table.slide`), real pages (each once)
+      from there to ``ceil(lengths[b] / page_size)``, the sentinel after; an inactive row
+      holds nothing; no row is longer than ``max_len``;
+    * a page's ref count = the live cells naming it + its external holds: nothing leaks
       and nothing is counted twice;
-    * no row names a free page (ref count 0), and ``page_table.stats`` counts free + used =
-      all pages, free = the pages with ref count 0.
+    * no row names a free page (ref count 0); ``pages_referenced`` counts each row's live
+      cells; ``page_table.stats`` counts free + used = all pages, free = the pages with ref
+      count 0.
 
     The one checker of the table: ``tests/test_page_table.py``'s state machine asserts it after
     every operation, and ``experiments.cancel`` checks it under random traffic.
     """
     bt, lengths, refs, active = host_table(table)
-    n = table.num_pages
+    n, width = table.num_pages, table.max_pages_per_seq
     held = -(-lengths // table.page_size)
-    cells = np.arange(table.max_pages_per_seq)[None, :] < held[:, None]
-    named = bt[cells]
+    real = bt != table.sentinel
+    # dead_b: the first real cell, or held when the row names no page (all slid, or empty)
+    dead = np.minimum(np.where(real.any(axis=1), np.argmax(real, axis=1), width), held)
+    m = np.arange(width)[None, :]
+    live = (m >= dead[:, None]) & (m < held[:, None])
+    named = bt[live]
     errors = []
     if not np.all((named >= 0) & (named < n)):
-        errors.append("a held cell points outside the pool")
-    if not np.all(bt[~cells] == table.sentinel):
-        errors.append(f"rows {np.flatnonzero((bt != table.sentinel) & ~cells)} have cells "
-                      "past ceil(length / page_size)")
+        errors.append("a live cell points outside the pool (or is the sentinel)")
+    if not np.all(bt[~live] == table.sentinel):
+        errors.append(f"rows {np.flatnonzero((~live & real).any(axis=1))} have real cells "
+                      "before their first live block or past ceil(length / page_size)")
     if np.any(lengths[~active] != 0) or np.any(lengths < 0) or np.any(lengths > table.max_len):
         errors.append("an inactive row has a length, or a length is out of range")
     expected = np.bincount(np.clip(named, 0, n), minlength=n + 1)[:n]
@@ -65,10 +74,14 @@ def table_errors(table: pt.PageTable, external: Mapping[int, int] | None = None)
         errors.append(f"ref counts differ from holders at pages {np.flatnonzero(refs != expected)}")
     if np.any(refs < 0) or np.any(refs[np.clip(named, 0, n - 1)] <= 0):
         errors.append("a negative ref count, or a row names a free page")
-    twice = [b for b in range(table.max_seqs) if len(set(bt[b, :held[b]])) != held[b]]
+    twice = [b for b in range(table.max_seqs)
+             if len(set(bt[b, dead[b]:held[b]])) != held[b] - dead[b]]
     if twice:
         errors.append(f"rows {twice} hold a page twice")
-    stats = jax.device_get(_stats(table))
+    referenced = np.asarray(_referenced(table))
+    if not np.array_equal(referenced, held - dead):
+        errors.append(f"pages_referenced {referenced} != live cells {held - dead}")
+    stats = jax.device_get(_stats(table)) if stats is None else stats
     if int(stats.free_pages) + int(stats.used_pages) != n or (
             int(stats.free_pages) != int(np.sum(refs == 0))):
         errors.append(f"stats: {int(stats.free_pages)} free + {int(stats.used_pages)} used, "

@@ -300,72 +300,12 @@ class ModelAllocator:
 
 
 # -- invariants on a real table -------------------------------------------------------------
-def slid_table_errors(table: pt.PageTable, external: collections.Counter | None = None,
-                      stats: pt.TableStats | None = None) -> list[str]:
-    """The table's invariants with :func:`~paxkv.table.page_table.slide` in play (the ones
-    ``experiments.table_ops.table_errors`` checks, except that a row may start with sentinel
-    cells):
-
-    * row ``b``'s cells are the sentinel before its first live block ``dead_b``, real pages
-      (each once) from there to ``ceil(lengths[b] / page_size)``, the sentinel after; an
-      inactive row is all sentinel with length 0; no row is longer than ``max_len``;
-    * a page's ref count = the live cells naming it + its external holds (nothing leaks,
-      nothing counted twice), so a page is free (ref count 0) iff nobody holds it, and no row
-      names a free page;
-    * ``pages_referenced`` counts each row's live cells; ``stats``: free + used = all pages,
-      free = the pages with ref count 0.
-    """
-    bt, lengths, refs, active = (np.asarray(table.block_tables), np.asarray(table.lengths),
-                                 np.asarray(table.ref_counts), np.asarray(table.active))
-    n, ps, width = table.num_pages, table.page_size, table.max_pages_per_seq
-    held = -(-lengths // ps)
-    real = bt != table.sentinel
-    # dead_b: the first real cell, or held when the row names no page (all slid, or empty)
-    dead = np.minimum(np.where(real.any(axis=1), np.argmax(real, axis=1), width), held)
-    m = np.arange(width)[None, :]
-    live = (m >= dead[:, None]) & (m < held[:, None])
-    named = bt[live]
-    errors = []
-    if not np.all((named >= 0) & (named < n)):
-        errors.append("a live cell points outside the pool (or is the sentinel)")
-    if not np.all(bt[~live] == table.sentinel):
-        errors.append(f"rows {np.flatnonzero((~live & real).any(axis=1))} have real cells "
-                      "before their first live block or past ceil(length / page_size)")
-    if np.any(lengths[~active] != 0) or np.any(lengths < 0) or np.any(lengths > table.max_len):
-        errors.append("an inactive row has a length, or a length is out of range")
-    expected = np.bincount(np.clip(named, 0, n), minlength=n + 1)[:n]
-    for page, count in (external or {}).items():
-        expected[page] += count
-    if np.any(refs != expected):
-        errors.append(f"ref counts differ from holders at pages {np.flatnonzero(refs != expected)}")
-    if np.any(refs < 0) or np.any(refs[np.clip(named, 0, n - 1)] <= 0):
-        errors.append("a negative ref count, or a row names a free page")
-    twice = [b for b in range(table.max_seqs)
-             if len(set(bt[b, dead[b]:held[b]])) != held[b] - dead[b]]
-    if twice:
-        errors.append(f"rows {twice} hold a page twice")
-    referenced = np.asarray(pages_referenced_jit(table))
-    if not np.array_equal(referenced, held - dead):
-        errors.append(f"pages_referenced {referenced} != live cells {held - dead}")
-    stats = jax.device_get(stats_jit(table)) if stats is None else stats
-    if int(stats.free_pages) + int(stats.used_pages) != n or (
-            int(stats.free_pages) != int(np.sum(refs == 0))):
-        errors.append(f"stats: {int(stats.free_pages)} free + {int(stats.used_pages)} used, "
-                      f"{int(np.sum(refs == 0))} pages with ref count 0, {n} pages")
-    return errors
-
-
 def assert_table_invariants(table: pt.PageTable, external: collections.Counter | None = None):
-    """The table's invariants (:func:`slid_table_errors`; on a table no row of which has slid,
-    also ``experiments.table_ops.table_errors``, the one checker the cancellation experiment
-    runs, which knows nothing of slide); returns the table's stats."""
+    """The table's invariants (``experiments.table_ops.table_errors``, the one checker the
+    cancellation experiment runs too, slid rows included); returns the table's stats."""
     stats = jax.device_get(stats_jit(table))
-    errors = slid_table_errors(table, external, stats)
+    errors = table_errors(table, external, stats)
     assert not errors, errors
-    held = -(-np.asarray(table.lengths) // table.page_size)
-    if np.array_equal(np.sum(np.asarray(table.block_tables) != table.sentinel, axis=1), held):
-        errors = table_errors(table, external)
-        assert not errors, errors
     return stats
 
 
