@@ -24,7 +24,9 @@ decisions are plain Python over the same inputs and the values it reads back fro
 are gathered (:func:`paxkv.scale.distributed.gather`), so every process decides alike, and each
 device holds only its own shard's pages and rows.
 
-Process 0 prints the tokens and writes ``results/multiprocess.json`` (``--out`` elsewhere).
+Process 0 prints the tokens and writes ``results/multiprocess.json`` under the current
+directory (``PAXKV_RESULTS`` for another folder, ``--out`` for a path) and prints where. The
+launcher puts the checkout on the processes' path, so this runs from any directory.
 Times are of one run on shared CPUs: first calls compile, so they are no speed result.
 """
 
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loop", choices=("step", "jit"), default="step")
     parser.add_argument("--requests", type=int, default=24,
                         help="requests through the Engine after the loop (0: none)")
-    parser.add_argument("--out", help="JSON path (default results/multiprocess[_quick].json)")
+    parser.add_argument("--out", help="JSON path (default: multiprocess[_quick].json in "
+                        "$PAXKV_RESULTS, else in results/ under the current directory)")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.prompt_len = "tiny", 6, 11
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     results = run(args)
     if jax.process_index() != 0:
         return
-    from experiments.common import record, write_json  # noqa: PLC0415
+    from experiments.common import record  # noqa: PLC0415
 
     for row, toks in enumerate(results["tokens"]):
         print(f"row {row:2d}: {toks}")
@@ -232,12 +235,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"engine: {engine['preemptions']} preemption(s), {engine['prefix_hit_tokens']} "
               f"prefix-hit tokens, request {engine['cancelled']} cancelled, "
               f"{engine['free_pages']} of {engine['num_pages']} pages free at the end")
-    data = record(vars(args), results)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-    else:
-        write_json("multiprocess_quick" if args.quick else "multiprocess", data)
+    path = output_path(args)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record(vars(args), results), f, indent=2, default=str)
+    print(f"\nwrote {path}")
+
+
+def output_path(args: argparse.Namespace) -> str:
+    """Where process 0 writes, as an absolute path (the message names it whatever the working
+    directory): ``--out``, else ``multiprocess[_quick].json`` in ``$PAXKV_RESULTS``, default
+    ``results/`` under the current directory (the checkout's only when run there)."""
+    from experiments.common import RESULTS_DIR  # noqa: PLC0415
+
+    name = "multiprocess_quick" if args.quick else "multiprocess"
+    return os.path.abspath(args.out or os.path.join(RESULTS_DIR, f"{name}.json"))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from paxkv.cache import dense as dense_cache
 from paxkv.cache import grouped
 from paxkv.cache import paged as paged_cache
 from paxkv.core.buckets import cdiv
+from paxkv.engine.policy import most_prefill_rows
 from paxkv.models import LanguageModel
 from paxkv.models.hf_loader import config_from_dict
 from paxkv.models.params import build_params, checkpoint_shapes
@@ -76,8 +77,11 @@ def caches(lm: LanguageModel, args: Any) -> dict[str, Any]:
     layer_pages = args.budget_seqs * layers * cdiv(max_len, ps)  # the budget, in layer-pages
     num_global = sum(w is None for w in windows)
 
+    step_rows = most_prefill_rows(args.prefill_chunk, args.prefill_tokens)
+
     def split(rows: int) -> tuple[int, int]:  # (window pages a layer, global pages a layer)
-        window = grouped.window_group_pages(args.window, ps, rows, max_len, args.prefill_tokens)
+        window = grouped.window_group_pages(args.window, ps, rows, max_len, args.prefill_tokens,
+                                            step_rows)
         return window, (layer_pages - (layers - num_global) * (window + 1)) // num_global - 1
 
     rows = max(r for r in range(1, 8 * args.budget_seqs * layers)
@@ -180,7 +184,7 @@ def main() -> None:
     ap.add_argument("--budget-seqs", type=int, default=6)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=128)
-    ap.add_argument("--prefill-tokens", type=int, default=256)
+    ap.add_argument("--prefill-tokens", type=int, default=128)
     args = ap.parse_args()
     if args.quick:
         args.layers, args.window, args.requests, args.output = 6, 16, 12, 8

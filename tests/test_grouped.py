@@ -16,6 +16,7 @@ import pytest
 
 from paxkv.cache import grouped
 from paxkv.cache import paged as paged_cache
+from paxkv.cache.layer_groups import LayerGroups
 from paxkv.core.step_info import StepInfo
 from paxkv.table import page_table as pt
 from test_windows import DIM, HEADS, KV_HEADS, oracle
@@ -150,7 +151,7 @@ def test_reservation_is_all_or_nothing_across_groups():
 
 
 def test_layer_groups_map_layers_to_flat_ranges():
-    groups = grouped.LayerGroups.of((6, None, 6, 3), {None: 10, 3: 4, 6: 5})
+    groups = LayerGroups.of((6, None, 6, 3), {None: 10, 3: 4, 6: 5})
     assert groups.windows == (None, 3, 6)
     assert groups.members == ((1,), (3,), (0, 2))
     assert groups.layer_base == (16, 0, 22, 11)
@@ -165,3 +166,43 @@ def test_create_names_what_to_change():
         grouped.create(layer_windows=(None, None), **kw)
     with pytest.raises(ValueError, match="layer_windows"):
         grouped.create(layer_windows=(3,), **kw)
+
+
+def test_engine_serves_a_window_model_from_the_grouped_cache():
+    """``Engine(cache="paged")`` on a model with window layers builds the grouped cache
+    (prefix cache off); ragged prompts several windows long, chunked prefill, ``n=2``
+    samples, a fork and a cancel give the tokens of an engine whose cache keeps every page,
+    greedy tokens equal the cache-less forward's argmax, and every page of every group is
+    free at the end."""
+    import paxkv  # noqa: PLC0415
+    from tiny import full_logits, tiny_lm  # noqa: PLC0415
+
+    lm = tiny_lm(scale=1.0, windows=(6, None, 5))
+    sizes = dict(prefill_chunk=8, prefill_tokens=16)
+    engine = paxkv.Engine(lm, max_seqs=4, max_len=64, page_size=4, **sizes)
+    assert isinstance(engine.cache, grouped.GroupedPagedCache) and engine.prefixes is None
+    whole = paged_cache.create(num_layers=3, num_kv_heads=1, head_dim=16, num_pages=64,
+                               page_size=4, max_seqs=4, max_len=64,
+                               layer_windows=lm.layer_windows)
+    twin = paxkv.Engine(lm, cache=whole, prefix_cache=False, **sizes)
+    results = []
+    for e in (engine, twin):
+        ids = [e.submit(list(range(10, 10 + n)), max_new_tokens=10, stop_token_ids=[])
+               for n in (3, 17, 30)]
+        ids.append(e.submit([7, 8, 9] * 6, max_new_tokens=6, stop_token_ids=[], n=2,
+                            temperature=1.0, seed=3))
+        for _ in range(3):
+            e.step()
+        kids = e.fork(ids[1], 2)
+        e.cancel(ids[2])
+        out = e.run()
+        results.append([out[i].token_ids for i in ids[:2] + kids if i in out]
+                       + [[s.token_ids for s in out[ids[3]].samples]])
+        tables = e.cache.tables if e is engine else (e.cache.table,)
+        assert all(int(jnp.sum(t.ref_counts)) == 0 for t in tables)
+    assert results[0] == results[1]
+    prompt = list(range(10, 27))
+    greedy = paxkv.generate(lm, [prompt], max_new_tokens=8, stop_token_ids=[])[0].token_ids
+    seq = prompt + greedy
+    want = full_logits(lm, seq)[len(prompt) - 1:-1].argmax(-1).tolist()
+    assert greedy == want

@@ -9,15 +9,19 @@ its own rows and held only its own data shards of the pool and page table
 between steps, a cancel, prefix hits, preemption) gives the same tokens, counters and free
 pages either way. Each run has a deadline, so a stuck worker (gloo waits for a dead
 peer) fails the test instead of hanging it. The launcher itself: a process that fails stops
-the others and names itself; the deadline stops them all.
+the others and names itself; the deadline stops them all; it runs from any directory (the
+current one and the checkout on the children's path). The README's "Several processes"
+program runs as written (on the tiny model) through the launcher.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -111,3 +115,62 @@ def test_launcher_stops_the_others_when_one_fails_or_time_runs_out(tmp_path, cap
                          out=io.StringIO())
     assert code == 124 and time.perf_counter() - start < 2 + launch.GRACE_S + 5
     assert "deadline of 2 s passed; still running: [0, 1]" in capsys.readouterr().err
+
+
+def test_the_launcher_runs_from_any_directory(tmp_path, monkeypatch):
+    """From a folder outside the checkout: a script elsewhere imports a module of the current
+    directory (as ``python -m`` would), and ``experiments.*`` resolves (the checkout is on the
+    children's path); ``experiments.multiprocess`` writes under the current directory."""
+    work, scripts = tmp_path / "work", tmp_path / "scripts"
+    work.mkdir()
+    scripts.mkdir()
+    (work / "here.py").write_text("WHERE = 'cwd'\n")
+    (scripts / "probe.py").write_text(
+        "import here, experiments\nprint('probe', here.WHERE, experiments.__file__)\n")
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delenv("PAXKV_RESULTS", raising=False)
+    out = io.StringIO()
+    assert launch.launch([str(scripts / "probe.py")], processes=1, timeout=60, out=out) == 0
+    assert f"[p0] probe cwd {ROOT / 'experiments' / '__init__.py'}" in out.getvalue()
+    out = io.StringIO()
+    assert launch.launch(["experiments.multiprocess", "--help"], processes=1, timeout=60,
+                         out=out) == 0, out.getvalue()
+    assert "--out" in out.getvalue()
+
+    from experiments import multiprocess  # noqa: PLC0415
+
+    args = argparse.Namespace(quick=True, out=None)
+    assert multiprocess.output_path(args) == str(work / "results" / "multiprocess_quick.json")
+
+
+# The README's "Several processes" program, run as written but on the tiny model.
+README_PROGRAM = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny import tiny_lm
+from paxkv import models
+models.load = lambda *args, **kwargs: tiny_lm(scale=1.0)  # the only change: no 135M load
+exec(compile({block!r}, "README.md", "exec"), {{"__name__": "__main__"}})
+"""
+
+
+def test_the_readme_several_processes_program_runs_as_written(tmp_path, monkeypatch):
+    """The README's block is a whole program: 2 processes x 2 devices, from a folder outside
+    the checkout, every row's 8 tokens printed by process 0, every reserve ok."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+              if b.startswith("# several processes")]
+    assert len(blocks) == 1, f"{len(blocks)} README blocks start '# several processes'"
+    script = tmp_path / "loop.py"
+    script.write_text(README_PROGRAM.format(tests=str(ROOT / "tests"), block=blocks[0]))
+    monkeypatch.chdir(tmp_path)
+    for key, value in NO_SHARED_COMPILES.items():
+        monkeypatch.setenv(key, value)
+    out = io.StringIO()
+    code = launch.launch([str(script)], processes=2, devices=2, timeout=DEADLINE_S, out=out)
+    assert code == 0, out.getvalue()[-4000:]
+    rows = [x.split(" ", 3) for x in out.getvalue().splitlines() if x.startswith("[p0] ")]
+    rows = [r for r in rows if len(r) == 4 and r[1].isdigit()]
+    assert [int(r[1]) for r in rows] == list(range(8))  # 2 rows a shard, 4 shards
+    assert all(r[2] == "True" for r in rows)

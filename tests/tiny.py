@@ -27,13 +27,16 @@ class Bytes:
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_lm(eos: tuple[int, ...] = (), scale: float = 0.3) -> models.LanguageModel:
-    """Vocab 256, hidden 32, 2 layers, 2 query heads over 1 kv head of 16; weights
+def tiny_lm(eos: tuple[int, ...] = (), scale: float = 0.3,
+            windows: tuple[int | None, ...] | None = None) -> models.LanguageModel:
+    """Vocab 256, hidden 32, 2 layers (or one per entry of ``windows``: each layer's sliding
+    window, None for a global one), 2 query heads over 1 kv head of 16; weights
     N(0, ``scale``) (0.3 soon repeats one token; 1.0 keeps a greedy run varied, so a wrong
     key or value shows in the tokens)."""
-    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=2, num_kv_heads=1, head_dim=16, tie_word_embeddings=True,
-                      eos_token_ids=eos)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                      num_layers=2 if windows is None else len(windows), num_heads=2,
+                      num_kv_heads=1, head_dim=16, tie_word_embeddings=True, eos_token_ids=eos,
+                      layer_windows=windows)
     step = StepInfo.make(jnp.array([4]), jnp.array([4]), 4)
     shapes = jax.eval_shape(lambda: Llama(cfg).init(jax.random.PRNGKey(0),
                                                     jnp.zeros((1, 4), jnp.int32), step, NoCache()))
@@ -45,8 +48,8 @@ def tiny_lm(eos: tuple[int, ...] = (), scale: float = 0.3) -> models.LanguageMod
 @functools.partial(jax.jit, static_argnums=0)
 def _all_logits(lm: models.LanguageModel, ids: jax.Array) -> jax.Array:
     n = jnp.array([ids.shape[1]])
-    return lm.forward(lm.params, ids, StepInfo.make(n, n, ids.shape[1]), NoCache(),
-                      all_logits=True)[0]
+    return lm.forward(lm.params, ids, StepInfo.make(n, n, ids.shape[1]),
+                      NoCache(layer_windows=lm.layer_windows), all_logits=True)[0]
 
 
 def full_logits(lm: models.LanguageModel, seq: list[int], multiple: int = 64) -> np.ndarray:

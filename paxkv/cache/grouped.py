@@ -40,65 +40,11 @@ import jax.numpy as jnp
 
 from paxkv.attention.blocks import check_windows, layer_window
 from paxkv.cache import pool as kv_pool
+from paxkv.cache.layer_groups import LayerGroups
 from paxkv.cache.paged import attend_pages, resolve_impl
 from paxkv.core.buckets import cdiv
 from paxkv.core.step_info import StepInfo
 from paxkv.table import page_table as pt
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerGroups:
-    """Which layers share a page table, and where each layer's pages lie in the flat pool.
-
-    Attributes:
-      windows: per group, its window (None: global).
-      members: per group, its layers in order.
-      num_pages: per group, the real pages of each of its layers (each layer's range has one
-        more, its sentinel).
-    """
-
-    windows: tuple[int | None, ...]
-    members: tuple[tuple[int, ...], ...]
-    num_pages: tuple[int, ...]
-
-    @property
-    def num_layers(self) -> int:
-        return sum(len(m) for m in self.members)
-
-    @functools.cached_property
-    def layer_group(self) -> tuple[int, ...]:
-        """Per layer: its group."""
-        out = [0] * self.num_layers
-        for g, members in enumerate(self.members):
-            for layer in members:
-                out[layer] = g
-        return tuple(out)
-
-    @functools.cached_property
-    def layer_base(self) -> tuple[int, ...]:
-        """Per layer: the flat index of its range's first page."""
-        out, base = [0] * self.num_layers, 0
-        for members, pages in zip(self.members, self.num_pages):
-            for layer in members:
-                out[layer], base = base, base + pages + 1
-        return tuple(out)
-
-    @property
-    def flat_pages(self) -> int:
-        """Length of the flat page axis, every range's sentinel included."""
-        return sum(len(m) * (p + 1) for m, p in zip(self.members, self.num_pages))
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        return tuple(self.windows[g] for g in self.layer_group)
-
-    @staticmethod
-    def of(layer_windows: tuple[int | None, ...], pages: dict[int | None, int]) -> "LayerGroups":
-        """Groups by window value, the global group (if any) first, then by window size;
-        ``pages[w]``: real pages for each layer of the group of window ``w``."""
-        windows = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
-        members = tuple(tuple(i for i, w in enumerate(layer_windows) if w == g) for g in windows)
-        return LayerGroups(tuple(windows), members, tuple(pages[w] for w in windows))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "tables"],
@@ -262,20 +208,22 @@ def window_pages_per_row(window: int, page_size: int, step_tokens: int, max_len:
 
 
 def window_group_pages(window: int, page_size: int, max_seqs: int, max_len: int,
-                       step_tokens: int) -> int:
+                       step_tokens: int, step_rows: int | None = None) -> int:
     """Pages a window group needs so that no row ever waits for them: every row decoding
-    (``ceil(w / page) + 1`` pages each) while the rows of one step add ``step_tokens`` tokens
-    between them (a row adding ``t`` holds at most ``ceil(t / page)`` more than decoding:
-    ``ceil(step_tokens / page)`` plus one rounding a row)."""
+    (``ceil(w / page) + 1`` pages each) while at most ``step_rows`` rows (default: all) add
+    ``step_tokens`` tokens between them in one step; a row adding ``t`` holds at most
+    ``ceil((t - 1) / page)`` pages more than decoding, so together at most
+    ``ceil(step_tokens / page)`` plus one rounding a row."""
     per_row = window_pages_per_row(window, page_size, 1, max_len)
-    extra = cdiv(step_tokens, page_size) + min(max_seqs, step_tokens)
+    rows = max_seqs if step_rows is None else min(max_seqs, step_rows)
+    extra = cdiv(step_tokens, page_size) + min(rows, step_tokens)
     return min(max_seqs * per_row + extra, max_seqs * cdiv(max_len, page_size))
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
            page_size: int, max_seqs: int, max_len: int,
            layer_windows: tuple[int | None, ...], step_tokens: int = 4096,
-           window_pages: int | None = None, dtype: jnp.dtype = jnp.float32, scrub: bool = True,
+           step_rows: int | None = None, window_pages: int | None = None, dtype: jnp.dtype = jnp.float32, scrub: bool = True,
            fill: float = 0.0, attention_impl: str = "auto") -> GroupedPagedCache:
     """An empty layer-grouped paged cache.
 
@@ -285,7 +233,8 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
       layer_windows: the model's, one entry per layer (None: global); at least one window.
       step_tokens: the most tokens one step adds over all rows (the engine's
         ``prefill_tokens``): sizes each window group so no row waits for its pages
-        (:func:`window_group_pages`).
+        (:func:`window_group_pages`); ``step_rows``: the most rows that step spans (the
+        engine's prefill call: :func:`paxkv.engine.policy.most_prefill_rows`; default all).
       window_pages: override of that size, for every window group.
       dtype, scrub, fill, attention_impl: as :func:`paxkv.cache.paged.create`.
     """
@@ -295,7 +244,8 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     first = None if None in windows else min(windows)
-    pages = {w: window_pages or window_group_pages(w, page_size, max_seqs, max_len, step_tokens)
+    pages = {w: window_pages or window_group_pages(w, page_size, max_seqs, max_len, step_tokens,
+                                                   step_rows)
              for w in set(windows) if w is not None and w != first}
     pages[first] = num_pages
     groups = LayerGroups.of(windows, pages)

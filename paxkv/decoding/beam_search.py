@@ -46,7 +46,7 @@ from paxkv.scale import sharded_cache
 from paxkv.core.plan import NO_PLAN, AttentionPlan
 from paxkv.decoding.beam_select import Beams, select
 from paxkv.core.buckets import cdiv, prefix_bucket
-from paxkv.engine.setup import place_model
+from paxkv.engine.setup import place_model, prompt_ids
 from paxkv.table.page_table import PageTable
 from paxkv.core.protocol import KVCache, check_model, shard_free_pages
 from paxkv.scale.sharded_cache import ShardedPagedCache
@@ -279,7 +279,7 @@ def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: 
     _check(beam_width, max_new_tokens, early_stopping, cache, page_size, mesh)
     if isinstance(prompts, (str, bytes)):
         raise TypeError("prompts must be a list of strings or of token-id lists")
-    ids = [lm.encode(x) if isinstance(x, str) else [int(t) for t in x] for x in prompts]
+    ids = [prompt_ids(lm, x, f"prompt {i}") for i, x in enumerate(prompts)]  # no float ids
     if any(not x for x in ids):
         raise ValueError("every prompt needs at least one token")
     step = prompts_per_batch or max(1, len(ids))

@@ -15,35 +15,54 @@ and ``n > 1`` prefills each prompt once and forks it into ``n`` samples.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from paxkv.core.buckets import cdiv
 from paxkv.decoding.compiled_loop import run_fixed_batch
 from paxkv.engine import Engine, GenerationResult
-from paxkv.engine.setup import check_size
+from paxkv.engine.setup import check_size, default_max_seqs, prompt_ids
 from paxkv.core.sampling import SamplingParams
 
 
-def _token_ids(lm: Any, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError("prompts must be a list of strings or of token-id lists")
-    ids = [lm.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+def _token_ids(lm: Any, prompts: Any) -> list[list[int]]:
+    """Every prompt as token ids (:func:`paxkv.engine.setup.prompt_ids`); a ``ValueError``
+    (``TypeError`` for what is no list at all) naming what to pass instead."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError(f"prompts is one string: pass a list of prompts, [{prompts!r}]")
+    if isinstance(prompts, (np.ndarray, jax.Array)) and prompts.ndim:
+        prompts = list(prompts)  # a 2-D array's rows are prompts (a 1-D one's: named below)
+    if not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a list of prompts, each a string or a list of int "
+                        f"token ids: got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts is empty: pass a list of at least one prompt, e.g. "
+                         "['Hello'] or [[5, 17, 42]]")
+    if any(isinstance(p, (numbers.Number, np.generic)) or getattr(p, "ndim", None) == 0
+           for p in prompts):
+        shown = ", ".join(map(str, prompts[:3])) + (", ..." if len(prompts) > 3 else "")
+        raise ValueError(f"prompts is a flat list of numbers: pass a list of prompts, "
+                         f"[[{shown}]] (one list of int token ids or one string per prompt)")
+    ids = [prompt_ids(lm, p, f"prompt {i}") for i, p in enumerate(prompts)]
     for i, p in enumerate(ids):
         if not p:
             raise ValueError(f"prompt {i} is empty: give at least one token")
     return ids
 
 
-def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
+def generate(lm: Any, prompts: Sequence[str | Sequence[int]] | Any,
              params: SamplingParams | None = None, *, max_new_tokens: int | None = None,
              temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, n: int | None = None,
              stop_token_ids: Sequence[int] | None = None, logprobs: int | None = None,
              cache: str = "paged",
-             page_size: int = 16, num_pages: int | None = None, max_seqs: int = 32,
+             page_size: int = 16, num_pages: int | None = None,
+             max_seqs: int | None = None,
              max_len: int | None = None, loop: str = "python", attention_impl: str = "auto",
              kv_dtype: Any = jnp.float32, prefix_cache: bool | None = None,
              mesh: Mesh | None = None) -> list[GenerationResult]:
@@ -52,8 +71,11 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
     Args:
       lm: a :class:`paxkv.core.protocol.Model` (``paxkv.models.load()``; ``encode`` / ``decode``
         for text).
-      prompts: strings (tokenised as they are: apply ``lm.chat_prompt`` first for chat) or
-        lists of token ids.
+      prompts: a list of prompts, each a string (tokenised as it is: apply
+        ``lm.chat_prompt`` first for chat) or int token ids (a list or a 1-D integer array;
+        a 2-D integer array is a batch of equal-length prompts). Float or bool ids, a flat
+        list of ids (not a list of prompts) or text to a model without ``encode`` raise a
+        ``ValueError`` naming what to pass.
       params: the :class:`paxkv.SamplingParams` of every prompt; the keyword forms
         (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``n``,
         ``stop_token_ids``) override its fields. Prompt ``i`` samples from
@@ -63,7 +85,8 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
         ``logprobs=k``: each result's ``logprobs`` / ``top_logprobs`` (k alternatives).
       cache: "paged" or "dense" (the comparison twin).
       page_size, num_pages: pool layout (``num_pages`` defaults to the dense reservation).
-      max_seqs: sequences decoding at once (cache rows).
+      max_seqs: sequences decoding at once (cache rows); default 32, on a ``mesh`` rounded
+        up to a multiple of its data axis.
       max_len: tokens one sequence may hold; default the longest prompt + ``max_new_tokens``.
       loop: "python" (continuous batching) or "jit" (fixed batch, one compiled loop).
       kv_dtype: the K/V values' dtype. ``jnp.bfloat16`` halves the cache (a CPU stores it as
@@ -89,6 +112,7 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]],
     if loop == "jit" and (p.n != 1 or p.logprobs is not None):
         raise ValueError("n > 1 samples and logprobs need loop='python'")
     ids = _token_ids(lm, prompts)
+    max_seqs = default_max_seqs(max_seqs, mesh)
     if loop == "jit" and len(ids) > max_seqs:
         raise ValueError(f"loop='jit' runs one fixed batch: {len(ids)} prompts exceed "
                          f"max_seqs={max_seqs}; raise max_seqs or use loop='python'")

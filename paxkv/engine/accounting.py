@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from paxkv.prefix import holds as page_holds
 from paxkv.scale.distributed import gather
 
 
@@ -47,6 +48,10 @@ class EngineStats:
 
     Attributes:
       num_pages, free_pages, used_pages: the pool (used includes the prefix index's pages).
+      reclaimable_pages: used pages that only the prefix index holds (prompts of finished
+        requests, kept for later hits), evicted on demand when a request needs room: not a
+        leak. ``available_pages`` = free + reclaimable, what new requests can get now; once
+        every request has ended it is ``num_pages``.
       shared_pages: pages with more than one holder.
       cached_pages: pages the prefix index holds.
       row_references: pages the rows would use if nothing were shared.
@@ -66,6 +71,7 @@ class EngineStats:
 
     num_pages: int
     free_pages: int
+    reclaimable_pages: int
     used_pages: int
     shared_pages: int
     cached_pages: int
@@ -84,6 +90,11 @@ class EngineStats:
     kv_bytes_per_page: int
     kv_bytes_per_device: int
     sequences: dict[int, SequenceStats]
+
+    @property
+    def available_pages(self) -> int:
+        """Pages a new request can get now: free ones plus those eviction would reclaim."""
+        return self.free_pages + self.reclaimable_pages
 
 
 def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> EngineStats:
@@ -109,7 +120,8 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
                    prefix_hit_rate=0.0, evictions=0))
     num_pages = cache.total_pages
     return EngineStats(
-        num_pages=num_pages, free_pages=num_pages - used, used_pages=used,
+        num_pages=num_pages, free_pages=num_pages - used,
+        reclaimable_pages=reclaimable(cache, index), used_pages=used,
         shared_pages=shared, row_references=refs, row_pages=distinct,
         cow_copies=ops.cow_copies, prefill_tokens=counters.prefill_tokens,
         decode_tokens=counters.decode_tokens, peak_pages_used=ops.peak_used,
@@ -118,3 +130,12 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
         kv_bytes_per_device=cache.kv_bytes_per_device,
         sequences=seqs)
 
+
+def reclaimable(cache: Any, index: Any) -> int:
+    """Pages ``index`` (a :class:`~paxkv.engine.prefix_sharing.SharedPrefixes` or None) could
+    evict now in every shard of ``cache``: those only it holds, chains' tails included
+    (:meth:`~paxkv.prefix.index.PrefixIndex.evictable`)."""
+    if index is None or not len(index):
+        return 0
+    refs = page_holds.ref_counts(cache)  # [shards, pages]
+    return sum(ix.evictable(refs[s]) for s, ix in enumerate(index.shards))

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from paxkv.engine import accounting
+from paxkv.engine import accounting, policy
 from paxkv.engine.accounting import Counters, EngineStats, SequenceStats
+from paxkv.cache.grouped import GroupedPagedCache
 from paxkv.engine.cache_ops import CacheOps
-from paxkv.engine.setup import build_cache, place_model
+from paxkv.engine.setup import build_cache, place_model, token_ids
 from paxkv.engine.lifecycle import Lifecycle
 from paxkv.engine.policy import Growth, Shapes
 from paxkv.engine.prefix_sharing import SharedPrefixes
@@ -48,7 +49,8 @@ class Engine:
       model: a :class:`paxkv.core.protocol.Model` (``paxkv.models.load()``, or your own).
       cache: "paged", "dense" (the comparison twin), or a :class:`paxkv.core.protocol.KVCache`
         you built (say NaN-filled, to prove no stray reads); the sizes below are then its own.
-      max_seqs: cache rows (the most requests running at once).
+      max_seqs: cache rows (the most requests running at once); default 32, on a ``mesh``
+        rounded up to a multiple of its data axis.
       max_len: the most tokens (prompt + output) one request may hold.
       page_size, num_pages: paged layout; ``num_pages`` defaults to the dense reservation
         ``max_seqs * ceil(max_len / page_size)``.
@@ -58,7 +60,8 @@ class Engine:
       prefill_chunk: longest prompt chunk per prefill call; prefill_tokens: batch x chunk budget.
       prefix_cache: reuse cached full pages across requests (default: on for a paged cache).
         Cached pages stay after their requests finish, until evicted for room or dropped by
-        :meth:`clear_prefix_cache`.
+        :meth:`clear_prefix_cache`: :meth:`stats` counts them as ``reclaimable_pages``, not
+        free ones.
       growth: how admission projects the running requests' growth
         (:class:`paxkv.engine.policy.Growth`; ``Growth(start=0, floor=0)`` admits whatever fits now).
       shapes: which prefill shapes compile (:class:`paxkv.engine.policy.Shapes`: a call runs padded
@@ -74,23 +77,31 @@ class Engine:
         builds the same engine and makes the same calls in the same order.
     """
 
-    def __init__(self, model: Any, *, cache: str | KVCache = "paged", max_seqs: int = 32,
-                 max_len: int = 2048, page_size: int = 16, num_pages: int | None = None,
-                 kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
+    def __init__(self, model: Any, *, cache: str | KVCache = "paged",
+                 max_seqs: int | None = None, max_len: int = 2048, page_size: int = 16,
+                 num_pages: int | None = None, kv_dtype: Any = jnp.float32,
+                 attention_impl: str = "auto",
                  prefill_chunk: int = 512, prefill_tokens: int = 4096, scrub: bool = True,
                  prefix_cache: bool | None = None, growth: Growth | None = None,
                  shapes: Shapes | None = None, mesh: Mesh | None = None):
         check_model(model)
         kv = build_cache(model, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
                          num_pages=num_pages, kv_dtype=kv_dtype,
-                         attention_impl=attention_impl, scrub=scrub, mesh=mesh)
+                         attention_impl=attention_impl, scrub=scrub, mesh=mesh,
+                         step_tokens=prefill_tokens,
+                         step_rows=policy.most_prefill_rows(prefill_chunk, prefill_tokens))
+        if prefix_cache and isinstance(kv, GroupedPagedCache):
+            raise ValueError("the prefix cache does not hold sliding-window pages yet: pass "
+                             "prefix_cache=False, or a cache that keeps every layer's pages "
+                             "(paxkv.cache.paged.create(..., layer_windows=...))")
         if prefix_cache and not kv.shares_pages:
             raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared): "
                              "pass prefix_cache=False or cache='paged'")
         self.model = place_model(model, mesh)
         self.table = RequestTable(kv.max_seqs)
         self.ops = CacheOps(kv, None if isinstance(cache, KVCache) else max_len)
-        use_index = kv.shares_pages if prefix_cache is None else prefix_cache
+        use_index = (kv.shares_pages and not isinstance(kv, GroupedPagedCache)
+                     if prefix_cache is None else prefix_cache)
         self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
         self.counters = Counters()
         rows, growth = RowState(self.table), growth or Growth()
@@ -117,6 +128,8 @@ class Engine:
         """Queues a request; returns its id. Raises ValueError naming what to change.
 
         Args:
+          prompt_ids: int token ids (a list, or a 1-D integer numpy / JAX array); floats,
+            bools and text are refused (``model.encode(text)`` first).
           params: the request's :class:`SamplingParams`; the keyword forms override fields.
           key: a PRNG key to sample from instead of ``fold_in(PRNGKey(seed), request id)``.
           hold: after finishing keep the row and its pages, so :meth:`fork` can branch it;
@@ -128,7 +141,7 @@ class Engine:
         p = SamplingParams.of(params, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, n=n,
                               stop_token_ids=stop_token_ids, logprobs=logprobs)
-        prompt_ids = self.table.prompt(prompt_ids, self.model.vocab_size, prefix)
+        prompt_ids = self.table.prompt(token_ids(prompt_ids), self.model.vocab_size, prefix)
         self.ops.check_fits(len(prompt_ids), p.max_new_tokens)
         rid = self.table.new_id()
         req = Request.make(rid, prompt_ids, p, p.stops(self.model), p.key_data(rid, key),
@@ -166,7 +179,8 @@ class Engine:
 
     def cancel(self, request_id: int) -> None:
         """Stops a request now (and its samples); a running or held one releases its row in
-        this call: pages nobody else holds are free at once."""
+        this call: pages nobody else holds are free at once (full prompt pages the prefix
+        cache keeps are reclaimable: :attr:`EngineStats.reclaimable_pages`)."""
         self.lifecycle.cancel(request_id)
 
     # -- running --------------------------------------------------------------------------

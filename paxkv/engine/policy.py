@@ -68,16 +68,26 @@ class Growth:
         return total
 
 
+MIN_PREFILL_WIDTH = 16  # the narrowest prefill call (a shorter chunk is padded to it)
+
+
 def prefill_width(longest: int, prefill_chunk: int) -> int:
     """Tokens per row of one prefill call for a batch whose longest remaining prompt is
-    ``longest`` (:func:`paxkv.core.buckets.fine`, 16 .. ``prefill_chunk``)."""
-    return buckets.fine(longest, 16, prefill_chunk)
+    ``longest`` (:func:`paxkv.core.buckets.fine`, :data:`MIN_PREFILL_WIDTH` ..
+    ``prefill_chunk``)."""
+    return buckets.fine(longest, MIN_PREFILL_WIDTH, prefill_chunk)
 
 
 def prefill_rows(width: int, prefill_tokens: int) -> int:
     """Rows per prefill call at ``width``: the largest power of two within the token budget
     (a batch is padded to a power of two anyway)."""
     return 1 << (max(1, prefill_tokens // width).bit_length() - 1)
+
+
+def most_prefill_rows(prefill_chunk: int, prefill_tokens: int) -> int:
+    """The most rows one prefill call can hold: :func:`prefill_rows` at the narrowest width
+    (what sizes a sliding-window group's pages: :func:`paxkv.cache.grouped.window_group_pages`)."""
+    return prefill_rows(min(MIN_PREFILL_WIDTH, prefill_chunk), prefill_tokens)
 
 
 def prefill_order(reqs: Sequence[Request]) -> list[Request]:

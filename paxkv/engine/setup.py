@@ -1,7 +1,8 @@
 """What an engine builds from its arguments before its first step: the cache it asked for by
-name (on a mesh when given one) and the model's weights placed on that mesh. Shared by
-:class:`paxkv.Engine`, :func:`paxkv.beam_search` and the scorer, so every entry point checks
-sizes and meshes the same way and names the same fixes.
+name (on a mesh when given one) and the model's weights placed on that mesh; and the checks of
+what every entry point is given (sizes, prompts as token ids or text). Shared by
+:class:`paxkv.Engine`, :func:`paxkv.generate`, :func:`paxkv.beam_search` and the scorer, so
+every entry point checks sizes, meshes and prompts the same way and names the same fixes.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import operator
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from paxkv.core import buckets
@@ -18,6 +20,8 @@ from paxkv.cache import dense as dense_cache
 
 from paxkv.scale import mesh as pmesh
 
+from paxkv.attention.blocks import check_windows
+from paxkv.cache import grouped
 from paxkv.cache import paged as paged_cache
 
 from paxkv.scale import sharded_cache
@@ -25,30 +29,55 @@ from paxkv.scale import tensor_parallel
 from paxkv.core.protocol import KVCache
 
 
-def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int, max_len: int,
+# Cache rows when the caller names none (on a mesh: rounded up to a multiple of its data axis).
+DEFAULT_MAX_SEQS = 32
+
+
+def default_max_seqs(max_seqs: int | None, mesh: Mesh | None = None) -> int:
+    """``max_seqs`` as given, or when None :data:`DEFAULT_MAX_SEQS` rounded up to a multiple of
+    ``mesh``'s data axis (36 on a data axis of 6), so a default never fails to split over the
+    mesh. A size the caller chose is left for :func:`build_cache` to check."""
+    if max_seqs is not None:
+        return max_seqs
+    data = 1 if mesh is None else pmesh.axis_sizes(mesh)[0]
+    return buckets.cdiv(DEFAULT_MAX_SEQS, data) * data
+
+
+def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int | None, max_len: int,
                 page_size: int, num_pages: int | None, kv_dtype: Any, attention_impl: str,
-                scrub: bool, mesh: Mesh | None = None) -> KVCache:
+                scrub: bool, mesh: Mesh | None = None, step_tokens: int | None = None,
+                step_rows: int | None = None) -> KVCache:
     """The cache an engine asked for by name ("paged" or "dense", sized for ``model``), or
     ``cache`` itself when it is already a :class:`KVCache`. ``num_pages`` defaults to the
-    dense reservation ``max_seqs * ceil(max_len / page_size)``. With a ``("data", "model")``
+    dense reservation ``max_seqs * ceil(max_len / page_size)``; ``max_seqs`` None: the
+    default for ``mesh`` (:func:`default_max_seqs`). With a ``("data", "model")``
     ``mesh`` a paged cache is :func:`paxkv.scale.sharded_cache.create`'s (``max_seqs`` and
     ``num_pages`` split over the data axis, a ``ValueError`` naming sizes that fit
-    otherwise)."""
+    otherwise). A model with sliding-window layers (``model.layer_windows``) gets, given
+    ``step_tokens`` (the most tokens one step adds over all rows, over at most ``step_rows``
+    rows), the layer-grouped cache
+    whose window groups release their pages in the step (:mod:`paxkv.cache.grouped`;
+    ``num_pages`` are then its global layers'); on a mesh, or without ``step_tokens``, a
+    paged cache that keeps every layer's pages and applies the windows as masks."""
     if isinstance(cache, KVCache):
         if mesh is not None:
             raise ValueError("mesh= builds the cache by name: pass cache='paged' with it (a "
                              "cache you built carries its own mesh: leave mesh out)")
         return cache
+    max_seqs = default_max_seqs(max_seqs, mesh)
     max_seqs, max_len, page_size = (check_size(n, v) for n, v in (
         ("max_seqs", max_seqs), ("max_len", max_len), ("page_size", page_size)))
     num_pages = None if num_pages is None else check_size("num_pages", num_pages)
     dims = dict(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-                head_dim=model.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype)
+                head_dim=model.head_dim, max_seqs=max_seqs, max_len=max_len, dtype=kv_dtype,
+                layer_windows=getattr(model, "layer_windows", None))
     if cache == "paged":
         paged = dict(num_pages=num_pages or max_seqs * buckets.cdiv(max_len, page_size),
                      page_size=page_size, scrub=scrub, attention_impl=attention_impl, **dims)
         if mesh is not None:
             return sharded_cache.create(mesh=mesh, **paged)
+        if step_tokens is not None and check_windows(dims["layer_windows"], model.num_layers):
+            return grouped.create(step_tokens=step_tokens, step_rows=step_rows, **paged)
         return paged_cache.create(**paged)
     if cache == "dense":
         if mesh is not None:
@@ -90,3 +119,51 @@ def check_size(name: str, value: Any) -> int:
     if size < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return size
+
+
+def token_ids(ids: Any, what: str = "the prompt", *, text: bool = False) -> list[int]:
+    """``ids`` (a list or tuple of ints, or a 1-D integer numpy / JAX array) as a list of
+    Python ints; empty stays empty (the caller names that fix). Anything else raises a
+    ``ValueError`` naming ``what`` and what to pass instead: float ids (never truncated
+    silently), bools, a string, a single int, a nested or ragged list. ``text``: the caller
+    also takes a string (the message offers it). The one check of every entry point's token
+    ids (:func:`paxkv.generate`, :meth:`paxkv.Engine.submit`, :func:`paxkv.score`)."""
+    instead = "a list of int token ids" + (" or a string" if text else "")
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{what} is a string: pass {instead} (the model's encode(text))")
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as e:  # ragged nesting, an object numpy cannot hold
+        raise ValueError(f"{what} is not a flat list of token ids ({e}): pass {instead}, "
+                         "e.g. [5, 17, 42]") from None
+    if arr.ndim != 1:
+        kind = (f"a single {type(ids).__name__}" if arr.ndim == 0 else
+                f"nested (shape {tuple(arr.shape)})")
+        raise ValueError(f"{what} is {kind}: pass {instead}, e.g. [5, 17, 42]")
+    if not arr.size:
+        return []
+    if arr.dtype.kind == "b" or (isinstance(ids, (list, tuple))
+                                 and any(isinstance(t, (bool, np.bool_)) for t in ids)):
+        raise ValueError(f"{what} holds bools, not token ids: pass {instead}")
+    if arr.dtype.kind not in "iu":
+        shown = ", ".join(map(str, arr[:3])) + (", ..." if arr.size > 3 else "")
+        raise ValueError(f"{what} holds {arr.dtype} values ({shown}), not int token ids: pass "
+                         f"{instead} (a float id is never rounded for you)")
+    return arr.tolist()
+
+
+def encode(model: Any, text: str, what: str = "the prompt") -> list[int]:
+    """``text`` through ``model.encode``; a ``ValueError`` naming ``what`` when the model has
+    no tokenizer."""
+    tokenize = getattr(model, "encode", None)
+    if tokenize is None:
+        raise ValueError(f"{what} is text, but this model ({type(model).__name__}) has no "
+                         "tokenizer (encode): pass token ids")
+    return token_ids(tokenize(text), f"{what}'s encoding")
+
+
+def prompt_ids(model: Any, prompt: Any, what: str = "the prompt") -> list[int]:
+    """A prompt given as text (encoded by ``model``) or as token ids (:func:`token_ids`)."""
+    if isinstance(prompt, str):
+        return encode(model, prompt, what)
+    return token_ids(prompt, what, text=True)

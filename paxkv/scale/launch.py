@@ -8,7 +8,10 @@ On one machine (forced CPU devices, a free local port)::
 starts processes 0..N-1 of ``python -m <module>`` (or ``python <script>.py``) with
 ``PAXKV_COORDINATOR=127.0.0.1:<port>``, ``PAXKV_NUM_PROCESSES``, ``PAXKV_PROCESS_ID`` and, with
 ``--devices``, ``JAX_NUM_CPU_DEVICES`` / ``JAX_PLATFORMS=cpu``; the program calls
-:func:`paxkv.scale.distributed.initialize`, which reads them. Every output line comes back prefixed
+:func:`paxkv.scale.distributed.initialize`, which reads them. Children start in the launcher's
+directory with it on ``PYTHONPATH`` (a script elsewhere imports modules from here, as ``-m``
+does) and, in a checkout, the checkout too (``experiments.*`` runs from any directory). Every
+output line comes back prefixed
 ``[p<id>]``. If a process exits non-zero, or the deadline (``--timeout``) passes, the others
 are killed and the launcher exits non-zero naming the culprit: a stuck collective (gloo waits
 for a peer that died) cannot hang a CI job.
@@ -37,6 +40,9 @@ from typing import IO, Sequence
 from paxkv.scale import distributed
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL of a process being stopped
+# The folder holding the paxkv package the launcher runs from; a checkout (pyproject.toml
+# beside it) also holds experiments/, which children can then import from any directory.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:
@@ -56,8 +62,13 @@ def command(target: str, args: Sequence[str]) -> list[str]:
 def environment(coordinator: str, processes: int, pid: int,
                 devices: int | None) -> dict[str, str]:
     """Process ``pid``'s environment: this one's plus the variables
-    :func:`paxkv.scale.distributed.initialize` reads (and forced CPU devices with ``devices``)."""
+    :func:`paxkv.scale.distributed.initialize` reads (and forced CPU devices with ``devices``),
+    with ``PYTHONPATH`` led by the current directory and ending with the checkout :data:`ROOT`
+    (when it is one)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    checkout = [ROOT] if os.path.isfile(os.path.join(ROOT, "pyproject.toml")) else []
+    paths = [os.getcwd(), *env.get("PYTHONPATH", "").split(os.pathsep), *checkout]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     env.update({distributed.COORDINATOR: coordinator,
                 distributed.NUM_PROCESSES: str(processes), distributed.PROCESS_ID: str(pid)})
     if devices is not None:

@@ -32,7 +32,7 @@ from paxkv.core import buckets
 from paxkv.scale import mesh as pmesh
 
 from pallas_kernels import quant
-from paxkv.engine.setup import check_size
+from paxkv.engine.setup import check_size, default_max_seqs, prompt_ids
 from paxkv.scoring.requests import Pair, rolling_windows, token_pairs, truncate
 from paxkv.scoring.results import ScoreResult, ScoreStats
 from paxkv.scoring.scorer import Scorer
@@ -48,15 +48,17 @@ KV_BUDGET_BYTES = 2 << 30
 
 
 def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: bool = True,
-               page_size: int = 16, max_seqs: int = 32, num_pages: int | None = None,
+               page_size: int = 16, max_seqs: int | None = None, num_pages: int | None = None,
                kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
                mesh: Mesh | None = None) -> Scorer:
     """A :class:`Scorer` whose rows hold the longest of ``pairs`` (rounded up to a power of
     two >= 128, so workloads of similar lengths share compiled steps). Without ``num_pages``
     the pool is ``max_seqs`` full rows or :data:`KV_BUDGET_BYTES`, whichever is smaller (a
     dense cache gets fewer rows instead), and at least one full row (on a ``mesh``: per data
-    shard, the pool a multiple of the data axis)."""
+    shard, the pool a multiple of the data axis). ``max_seqs``: default 32, on a ``mesh``
+    rounded up to a multiple of its data axis."""
     page_size = check_size("page_size", page_size)
+    max_seqs = default_max_seqs(max_seqs, mesh)
     longest = max((len(c) + len(x) - 1 for c, x in pairs), default=1)
     max_len = buckets.cdiv(buckets.pow2(longest, 128), page_size) * page_size
     scale_bytes = 4 if quant.format_of(kv_dtype) else 0  # int8 / fp8: a float32 scale each
@@ -76,7 +78,7 @@ def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: b
 
 
 def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
-          share: bool = True, page_size: int = 16, max_seqs: int = 32,
+          share: bool = True, page_size: int = 16, max_seqs: int | None = None,
           num_pages: int | None = None, kv_dtype: Any = jnp.float32,
           max_length: int | None = None, attention_impl: str = "auto",
           mesh: Mesh | None = None) -> list[ScoreResult]:
@@ -84,13 +86,15 @@ def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
 
     Args:
       lm: a :class:`paxkv.core.protocol.Model` (``encode`` needed for text).
-      requests: ``(context, continuation)`` pairs, both strings or both token-id lists. Text is
+      requests: ``(context, continuation)`` pairs, both strings or both lists of int token
+        ids (float or bool ids are refused). Text is
         split as lm-eval does: ``encode(context + continuation)`` at ``len(encode(context))``.
       cache: "paged" or "dense" (the comparison twin).
       share: prefill each distinct context once and fork it (paged: and share full pages of
         common prefixes through the prefix cache); False scores each pair on its own.
       page_size, num_pages: the pool's layout (``num_pages``: default ``max_seqs`` full rows).
-      max_seqs: cache rows (contexts and continuations in flight at once).
+      max_seqs: cache rows (contexts and continuations in flight at once); default 32, on a
+        ``mesh`` rounded up to a multiple of its data axis.
       kv_dtype: the K/V dtype (``jnp.bfloat16`` halves the cache).
       max_length: the most tokens the model sees per request: longer contexts are cut from the
         left as lm-eval's hf backend does; a continuation longer than this is an error.
@@ -128,7 +132,7 @@ def score_rolling(lm: Any, texts: Sequence[str | Sequence[int]], *, max_length: 
             raise ValueError("this model has no BOS token: pass prefix_token=")
     windows, owner = [], []
     for i, text in enumerate(texts):
-        ids = lm.encode(text) if isinstance(text, str) else list(text)
+        ids = prompt_ids(lm, text, f"text {i}")
         for w in rolling_windows(ids, prefix_token=prefix_token, max_length=max_length):
             windows.append(w)
             owner.append(i)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Sequence
 
+from paxkv.engine.setup import encode, token_ids
+
 Pair = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -22,23 +24,24 @@ def token_pairs(lm: Any, requests: Sequence[Any]) -> list[Pair]:
     """``requests`` (``(context, continuation)`` pairs of strings or token-id lists) -> token
     ids. A string pair is tokenised as lm-eval's causal models do: ``encode(context +
     continuation)`` split at ``len(encode(context))``. Raises ``ValueError`` naming the bad
-    request (an empty context or continuation, an id outside the vocabulary)."""
+    request (an empty context or continuation, an id outside the vocabulary, float or bool
+    ids, text for a model without ``encode``)."""
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
         raise TypeError("requests must be a list of (context, continuation) pairs")
     out = []
     for i, req in enumerate(requests):
         if not isinstance(req, Sequence) or isinstance(req, (str, bytes)) or len(req) != 2:
-            raise TypeError(f"request {i} is not a (context, continuation) pair: {req!r}")
+            raise TypeError(f"request {i} is not a (context, continuation) pair: {req!r}; pass "
+                            "a list of pairs, [(context, continuation), ...]")
         ctx, cont = req
         if isinstance(ctx, str) != isinstance(cont, str):
             raise TypeError(f"request {i} mixes text and token ids: give both as strings or "
                             "both as lists of ids")
         if isinstance(ctx, str):
-            if not hasattr(lm, "encode"):
-                raise TypeError(f"{type(lm).__name__} has no encode(): give token ids")
-            whole, head = lm.encode(ctx + cont), lm.encode(ctx)
+            whole, head = (encode(lm, t, f"request {i}") for t in (ctx + cont, ctx))
             ctx, cont = head, whole[len(head):]
-        ctx, cont = tuple(int(t) for t in ctx), tuple(int(t) for t in cont)
+        ctx, cont = (tuple(token_ids(x, f"request {i}'s {part}", text=True))
+                     for x, part in ((ctx, "context"), (cont, "continuation")))
         if not ctx:
             raise ValueError(f"request {i} has an empty context: give at least one token "
                              "(lm-eval's hf backend uses the BOS token)")
@@ -122,7 +125,7 @@ def rolling_windows(tokens: Sequence[int], *, prefix_token: int,
     ``context_len=1``, each made disjoint by ``make_disjoint_window``): every token of
     ``tokens`` is predicted exactly once, the first after ``prefix_token``, each with as much
     preceding text as fits ``max_length``. Returns ``(context, continuation)`` pairs."""
-    tokens = [int(t) for t in tokens]
+    tokens = token_ids(tokens, "the text")
     if not tokens:
         return []
     if not isinstance(max_length, int) or max_length < 1:
