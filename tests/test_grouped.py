@@ -185,7 +185,7 @@ def test_engine_serves_a_window_model_from_the_grouped_cache():
                                page_size=4, max_seqs=4, max_len=64,
                                layer_windows=lm.layer_windows)
     twin = paxkv.Engine(lm, cache=whole, prefix_cache=False, **sizes)
-    results = []
+    results, stats = [], []
     for e in (engine, twin):
         ids = [e.submit(list(range(10, 10 + n)), max_new_tokens=10, stop_token_ids=[])
                for n in (3, 17, 30)]
@@ -193,6 +193,7 @@ def test_engine_serves_a_window_model_from_the_grouped_cache():
                             temperature=1.0, seed=3))
         for _ in range(3):
             e.step()
+        mid = e.stats()
         kids = e.fork(ids[1], 2)
         e.cancel(ids[2])
         out = e.run()
@@ -200,9 +201,37 @@ def test_engine_serves_a_window_model_from_the_grouped_cache():
                        + [[s.token_ids for s in out[ids[3]].samples]])
         tables = e.cache.tables if e is engine else (e.cache.table,)
         assert all(int(jnp.sum(t.ref_counts)) == 0 for t in tables)
+        end = e.stats()
+        assert end.kv_bytes_used == 0 and end.peak_kv_bytes_used >= mid.kv_bytes_used > 0
+        stats.append(mid)
     assert results[0] == results[1]
+    grouped_mid, whole_mid = stats
+    assert [(g.window, g.layers) for g in grouped_mid.groups] == [(None, 1), (5, 1), (6, 1)]
+    assert [(g.window, g.layers) for g in whole_mid.groups] == [(None, 3)]
+    # the window groups hold a few pages a row; every layer of the whole cache holds them all
+    assert grouped_mid.kv_bytes_used < whole_mid.kv_bytes_used
+    assert sum(g.used_pages * g.layers for g in grouped_mid.groups) * \
+        engine.cache.layer_page_bytes == grouped_mid.kv_bytes_used
     prompt = list(range(10, 27))
     greedy = paxkv.generate(lm, [prompt], max_new_tokens=8, stop_token_ids=[])[0].token_ids
     seq = prompt + greedy
     want = full_logits(lm, seq)[len(prompt) - 1:-1].argmax(-1).tolist()
     assert greedy == want
+
+
+def test_readme_sliding_window_block_runs_and_keeps_window_layers_small():
+    """The README's sliding-window block, as written: every step's window layers hold at most
+    ``ceil(16 / 8) + 1`` pages a row while the global layer holds the whole context, and every
+    page is back at the end."""
+    import pathlib  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block, = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+              if b.startswith("# sliding windows")]
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    held, engine = namespace["held"], namespace["engine"]
+    assert max(w for _, w in held) <= 3 < max(g for g, _ in held) == 21
+    assert held[-2] == [21, 3] and held[-1] == [0, 0]
+    assert engine.stats().kv_bytes_used == 0 < engine.stats().peak_kv_bytes_used

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from paxkv.cache.grouped import GroupedPagedCache
 from paxkv.prefix import holds as page_holds
 from paxkv.scale.distributed import gather
 
@@ -42,6 +43,45 @@ class SequenceStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupStats:
+    """One layer group's pages (:mod:`paxkv.cache.grouped`; a cache without groups is one
+    group of every layer): its sliding ``window`` (None: global), its ``layers``, and its
+    ``num_pages`` / ``used_pages`` / ``free_pages`` (pages per layer of the group)."""
+
+    window: int | None
+    layers: int | None
+    num_pages: int
+    used_pages: int
+    free_pages: int
+
+
+def kv_bytes_used(cache: Any, used_pages: int) -> int:
+    """K/V bytes the cache holds now for rows and the prefix index, every layer and group,
+    scales included: ``used_pages`` (group 0's; a dense cache's rows) times a page's bytes, or
+    on a layer-grouped cache every group's pages (one device read)."""
+    if isinstance(cache, GroupedPagedCache):
+        return int(cache.layer_pages_used()) * cache.layer_page_bytes
+    return used_pages * cache.kv_bytes_per_page
+
+
+def group_stats(cache: Any, used_pages: int) -> tuple[GroupStats, ...]:
+    """Every layer group's :class:`GroupStats`, group 0 (the global layers) first; a cache
+    without groups is one group (``layers`` None when the cache does not say)."""
+    if not isinstance(cache, GroupedPagedCache):
+        pool = getattr(cache, "pool", None) or getattr(cache, "pools", None) or cache
+        layers = getattr(getattr(pool, "k", None), "shape", (None,))[0]
+        return (GroupStats(None, layers, cache.total_pages, used_pages,
+                           cache.total_pages - used_pages),)
+    stats = gather(_group_numbers(cache))
+    return tuple(GroupStats(w, len(m), n, int(s.used_pages), int(s.free_pages))
+                 for w, m, n, s in zip(cache.groups.windows, cache.groups.members,
+                                       cache.groups.num_pages, stats))
+
+
+_group_numbers = jax.jit(lambda cache: cache.group_stats())
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineStats:
     """Pool-wide accounting of an :class:`paxkv.engine.Engine` (a dense cache counts a row
     as a page).
@@ -66,6 +106,11 @@ class EngineStats:
       kv_bytes_per_page: K + V bytes of one page over all layers.
       kv_bytes_per_device: K/V bytes each device holds (the whole cache on one device; a
         sharded cache's ``1 / (data x model)``).
+      kv_bytes_used, peak_kv_bytes_used: K/V bytes held now by rows and the prefix cache,
+        every layer group, scales included; the most after any step.
+      groups: each layer group's pages (:class:`GroupStats`; one group unless the model has
+        sliding-window layers and the cache releases their pages). The page fields above
+        are group 0's, the group admission counts.
       sequences: per request id, the rows' :class:`SequenceStats`.
     """
 
@@ -89,6 +134,9 @@ class EngineStats:
     evictions: int
     kv_bytes_per_page: int
     kv_bytes_per_device: int
+    kv_bytes_used: int
+    peak_kv_bytes_used: int
+    groups: tuple[GroupStats, ...]
     sequences: dict[int, SequenceStats]
 
     @property
@@ -128,7 +176,9 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
         peak_running=counters.peak_running, preemptions=counters.preemptions, **counts,
         kv_bytes_per_page=cache.kv_bytes_per_page,
         kv_bytes_per_device=cache.kv_bytes_per_device,
-        sequences=seqs)
+        kv_bytes_used=kv_bytes_used(cache, used),
+        peak_kv_bytes_used=max(ops.peak_kv_bytes, kv_bytes_used(cache, used)),
+        groups=group_stats(cache, used), sequences=seqs)
 
 
 def reclaimable(cache: Any, index: Any) -> int:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv.core import buckets
+from paxkv.engine.accounting import kv_bytes_used
 
 from paxkv.prefix import holds as page_holds
 from paxkv.scale.distributed import gather
@@ -100,7 +101,7 @@ class CacheOps:
         self.max_len = cache.max_len if max_len is None else min(max_len, cache.max_len)
         self.num_shards, self.rows_per_shard = shard_layout(cache)
         self.shard_free = np.full(self.num_shards, cache.num_pages, np.int64)  # [num_shards]
-        self.peak_used = 0
+        self.peak_used = self.peak_kv_bytes = 0
         self.cow_copies = 0
         self.shares = False  # rows may share a partly filled page: probe steps for copies
 
@@ -133,6 +134,7 @@ class CacheOps:
     def reset_counts(self) -> None:
         """Restarts the peak and the copy count from now (a timed run after a warm-up)."""
         self.peak_used = self.cache.total_pages - self.free
+        self.peak_kv_bytes = kv_bytes_used(self.cache, self.peak_used)
         self.cow_copies = 0
 
     def _note_free(self, free: int | None) -> None:
@@ -141,7 +143,9 @@ class CacheOps:
             self.shard_free[0] = free
         else:
             self.shard_free = np.asarray(gather(free_per_shard(self.cache)), np.int64)
-        self.peak_used = max(self.peak_used, self.cache.total_pages - self.free)
+        used = self.cache.total_pages - self.free
+        self.peak_used = max(self.peak_used, used)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes_used(self.cache, used))
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raises a ``ValueError`` naming what to change when a request of ``prompt_len`` +
