@@ -29,12 +29,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from paxkv.core.step_info import StepInfo
+
 from .config import DecoderConfig, LinearRopeScaling, LlamaConfig, RopeScaling
 from .families import SUPPORTED_MODEL_TYPES
 from .llama import Llama
 from .params import Params
 from .tokenizer import Tokenizer
-from paxkv.core.step_info import StepInfo
 
 __all__ = ["DecoderConfig", "LanguageModel", "LinearRopeScaling", "LlamaConfig",
            "MissingTokenizerError", "RopeScaling", "SUPPORTED_MODEL_TYPES", "Tokenizer",

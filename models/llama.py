@@ -47,8 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import DecoderConfig
 from paxkv.core.step_info import StepInfo
+
+from .config import DecoderConfig
 
 Cache = Any  # a paxkv.core.protocol.KVCache (or the cache-less paxkv.cache.full.NoCache)
 Rope = tuple[jax.Array, jax.Array]  # cos, sin [R, b, t, 1, Dh/2]: R tables (global[, local])

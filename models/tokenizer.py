@@ -20,8 +20,9 @@ import gguf
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, processors
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -8,12 +8,10 @@ layer is sliced (copied) out of it. The attention functions take an optional sli
 kernels run on Hopper-class GPUs, or on CPU with ``interpret=True`` (slow; for tests).
 """
 
-from pallas_kernels.kv_write import (copy_pages, copy_pages_reference, write_kv,
-                                     write_kv_reference)
+from pallas_kernels.kv_write import copy_pages, copy_pages_reference, write_kv, write_kv_reference
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.paged_prefill import paged_prefill_attention
-from pallas_kernels.reference import (dense_attention_reference,
-                                      paged_decode_attention_reference,
+from pallas_kernels.reference import (dense_attention_reference, paged_decode_attention_reference,
                                       paged_prefill_attention_reference)
 
 __all__ = [

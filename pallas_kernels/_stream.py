@@ -16,9 +16,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _interpret
+from pallas_kernels import _interpret, quant
 from pallas_kernels._tiles import KVTiles
-from pallas_kernels import quant
 
 _DEAD_POSITION = 2**30  # key position of a dead SMEM row: never visible, never live
 MAX_WINDOW = 2**30  # a sliding window at least this long is no window

@@ -33,8 +33,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _interpret
-from pallas_kernels import quant
+from pallas_kernels import _interpret, quant
 from pallas_kernels.kv_storage import to_storage
 
 # ---------------------------------------------------------------- layer 1: kernel bodies

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _interpret
-from pallas_kernels._stream import (KVStream, fetch_block, load_block, read_layer,
-                                    read_window, softmax_update, zero_rows)
-from pallas_kernels._tiles import (SMEM_BUDGET_BYTES, KVTiles, check_query,
-                                   default_pages_per_block, pool_operands, validate_kv)
+from pallas_kernels._stream import (KVStream, fetch_block, load_block, read_layer, read_window,
+                                    softmax_update, zero_rows)
+from pallas_kernels._tiles import (SMEM_BUDGET_BYTES, KVTiles, check_query, default_pages_per_block,
+                                   pool_operands, validate_kv)
 from pallas_kernels.reference import default_sm_scale, paged_prefill_attention_reference
 
 _MAX_ROWS = 256  # one TMA box of query rows

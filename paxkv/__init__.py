@@ -36,9 +36,8 @@ from paxkv.core.sampling import SamplingParams
 from paxkv.core.step_info import StepInfo
 from paxkv.decoding.beam_search import Beam, beam_search
 from paxkv.decoding.generate import generate
-from paxkv.engine import policy
+from paxkv.engine import Engine, EngineStats, GenerationResult, SequenceStats, StepOutput, policy
 from paxkv.engine import routing as shard_routing
-from paxkv.engine import Engine, EngineStats, GenerationResult, SequenceStats, StepOutput
 from paxkv.prefix import index as prefix_cache
 from paxkv.prefix.index import PrefixIndex
 from paxkv.scale import distributed, mesh, sharded_cache, tensor_parallel

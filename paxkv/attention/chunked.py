@@ -44,11 +44,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.kv_storage import read_pages
 from paxkv.attention.blocks import default_sm_scale, in_window
 from paxkv.attention.partials import (Partial, finish, finite, keys_partial, merge,  # noqa: F401
                                       read_in_range)
 from paxkv.core.plan import chunks_needed, list_shape  # noqa: F401  (the list's arithmetic)
-from pallas_kernels.kv_storage import read_pages
+
 
 class ChunkWork(NamedTuple):
     """The flat work list (all int32 / bool ``[num_chunks]`` but ``total``).

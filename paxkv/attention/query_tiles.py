@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.kv_storage import read_pages
 from paxkv.attention.blocks import attend_blocks
 from paxkv.core.buckets import cdiv
-from pallas_kernels.kv_storage import read_pages
 
 
 def query_tile(q_len: int) -> int:

@@ -14,15 +14,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
 from jax import lax
 
 from pallas_kernels import quant
-from paxkv.attention import chunked, partials
-from paxkv.attention.query_tiles import query_tiles
 from pallas_kernels.kv_storage import full, readable, storage_dtype, to_storage
+from paxkv.attention import chunked, partials
 from paxkv.attention.blocks import (attend_blocks, check_windows, default_sm_scale, in_window,
                                     layer_window)
+from paxkv.attention.query_tiles import query_tiles
 from paxkv.core.step_info import StepInfo
 
 

@@ -16,15 +16,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paxkv.core import buckets
-from paxkv.table import page_table as pt
-from paxkv.cache import pool as kv_pool
 from pallas_kernels import quant
-from paxkv.cache import paged_xla
-from paxkv.attention.blocks import check_windows, default_sm_scale, layer_window
-from paxkv.core.plan import NO_PLAN, AttentionPlan
 from pallas_kernels.kv_storage import is_bits
+from paxkv.attention.blocks import check_windows, default_sm_scale, layer_window
+from paxkv.cache import paged_xla
+from paxkv.cache import pool as kv_pool
+from paxkv.core import buckets
+from paxkv.core.plan import NO_PLAN, AttentionPlan
 from paxkv.core.step_info import StepInfo
+from paxkv.table import page_table as pt
 
 IMPLS = ("xla", "pallas")
 

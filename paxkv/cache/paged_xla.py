@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paxkv.cache import pool as kv_pool
 from paxkv.attention import chunked, partials
 from paxkv.attention.blocks import attend_blocks, attend_blocks_with_prefix, attend_shared_pages
-from paxkv.core.plan import TILE_CHUNKS, AttentionPlan, chunk_pages
 from paxkv.attention.query_tiles import attend_in_query_tiles
+from paxkv.cache import pool as kv_pool
 from paxkv.core.buckets import cdiv
+from paxkv.core.plan import TILE_CHUNKS, AttentionPlan, chunk_pages
 from paxkv.core.step_info import StepInfo
 
 

@@ -26,9 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_storage
-
-from pallas_kernels import quant
+from pallas_kernels import kv_storage, quant
 from paxkv.table.alloc import PoolUpdate
 
 

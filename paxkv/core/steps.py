@@ -18,9 +18,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from paxkv.core.sampling import RowSampling, Sampled, sample, with_logprobs
 from paxkv.core.plan import NO_PLAN, AttentionPlan
 from paxkv.core.protocol import KVCache
+from paxkv.core.sampling import RowSampling, Sampled, sample, with_logprobs
 from paxkv.core.step_info import StepInfo
 
 Forward = Callable[[Any, jax.Array, StepInfo, KVCache], tuple[jax.Array, KVCache]]

@@ -33,25 +33,21 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh
 
 from paxkv.cache import dense as dense_cache
-
-from paxkv.scale import mesh as pmesh
-
 from paxkv.cache import paged as paged_cache
-
-from paxkv.scale import sharded_cache
-from paxkv.core.plan import NO_PLAN, AttentionPlan
-from paxkv.decoding.beam_select import Beams, select
 from paxkv.core.buckets import cdiv, prefix_bucket
-from paxkv.engine.setup import place_model, prompt_ids
-from paxkv.table.page_table import PageTable
+from paxkv.core.plan import NO_PLAN, AttentionPlan
 from paxkv.core.protocol import KVCache, check_model, shard_free_pages
-from paxkv.scale.sharded_cache import ShardedPagedCache
 from paxkv.core.sampling import SamplingParams
 from paxkv.core.step_info import StepInfo
+from paxkv.decoding.beam_select import Beams, select
+from paxkv.engine.setup import place_model, prompt_ids
+from paxkv.scale import mesh as pmesh
+from paxkv.scale import sharded_cache
+from paxkv.scale.sharded_cache import ShardedPagedCache
+from paxkv.table.page_table import PageTable
 
 _EARLY = {False: 0, True: 1, "never": 2}
 

@@ -24,10 +24,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from paxkv.core.buckets import cdiv
+from paxkv.core.sampling import SamplingParams
 from paxkv.decoding.compiled_loop import run_fixed_batch
 from paxkv.engine import Engine, GenerationResult
 from paxkv.engine.setup import check_size, default_max_seqs, prompt_ids
-from paxkv.core.sampling import SamplingParams
 
 
 def _token_ids(lm: Any, prompts: Any) -> list[list[int]]:

@@ -16,7 +16,6 @@ May import: :mod:`paxkv.core`, :mod:`paxkv.table`, :mod:`paxkv.cache`, :mod:`pax
 reaches the engine only through :class:`paxkv.Model`.
 """
 
-from paxkv.engine.engine import (Engine, EngineStats, GenerationResult, SequenceStats,
-                                 StepOutput)
+from paxkv.engine.engine import Engine, EngineStats, GenerationResult, SequenceStats, StepOutput
 
 __all__ = ["Engine", "EngineStats", "GenerationResult", "SequenceStats", "StepOutput"]

@@ -11,7 +11,6 @@ from paxkv.cache.grouped import GroupedPagedCache
 from paxkv.prefix import holds as page_holds
 from paxkv.scale.distributed import gather
 
-
 # One jitted read of a page-sharing cache's accounting (any KVCache with ``stats`` and
 # ``sharing_stats``: the paged cache, the sharded one).
 _page_numbers = jax.jit(lambda cache: (cache.stats(), cache.sharing_stats()))

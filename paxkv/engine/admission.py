@@ -17,8 +17,8 @@ from paxkv.engine import policy
 from paxkv.engine import routing as shard_routing
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.prefix_sharing import SharedPrefixes
-from paxkv.prefix.index import Hit
 from paxkv.engine.requests import Request, RequestTable
+from paxkv.prefix.index import Hit
 
 
 class Admission:

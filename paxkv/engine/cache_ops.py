@@ -19,17 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv.core import buckets
-from paxkv.engine.accounting import kv_bytes_used
-
-from paxkv.prefix import holds as page_holds
-from paxkv.scale.distributed import gather
-from paxkv.scale import sharded_cache
-from paxkv.core import steps
-from paxkv.table import page_table as pt
+from paxkv.core import buckets, steps
 from paxkv.core.plan import AttentionPlan
 from paxkv.core.protocol import KVCache, shard_free_pages, shard_layout
 from paxkv.core.sampling import RowSampling
+from paxkv.engine.accounting import kv_bytes_used
+from paxkv.prefix import holds as page_holds
+from paxkv.scale import sharded_cache
+from paxkv.scale.distributed import gather
+from paxkv.table import page_table as pt
 
 
 def host(x: Any, dtype: Any) -> np.ndarray:

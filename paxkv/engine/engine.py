@@ -25,19 +25,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from paxkv.cache.grouped import GroupedPagedCache
+from paxkv.core.protocol import KVCache, check_model
+from paxkv.core.sampling import SamplingParams
 from paxkv.engine import accounting, policy
 from paxkv.engine.accounting import Counters, EngineStats, SequenceStats
-from paxkv.cache.grouped import GroupedPagedCache
 from paxkv.engine.cache_ops import CacheOps
-from paxkv.engine.setup import build_cache, place_model, token_ids
 from paxkv.engine.lifecycle import Lifecycle
 from paxkv.engine.policy import Growth, Shapes
 from paxkv.engine.prefix_sharing import SharedPrefixes
-from paxkv.core.protocol import KVCache, check_model
 from paxkv.engine.requests import GenerationResult, Request, RequestTable, StepOutput
 from paxkv.engine.rows import RowState
-from paxkv.core.sampling import SamplingParams
 from paxkv.engine.scheduler import Scheduler
+from paxkv.engine.setup import build_cache, place_model, token_ids
 
 __all__ = ["Engine", "EngineStats", "GenerationResult", "SequenceStats", "StepOutput"]
 

@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxkv.core.sampling import SamplingParams
 from paxkv.engine.accounting import Counters
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.policy import Growth
 from paxkv.engine.prefix_sharing import SharedPrefixes
 from paxkv.engine.requests import Request, RequestTable
 from paxkv.engine.rows import RowState
-from paxkv.core.sampling import SamplingParams
 
 
 class Lifecycle:

@@ -23,10 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
-from paxkv.prefix import holds as page_holds
 from paxkv.engine.cache_ops import CacheOps
-from paxkv.prefix.index import Hit, PrefixIndex
 from paxkv.engine.requests import Request
+from paxkv.prefix import holds as page_holds
+from paxkv.prefix.index import Hit, PrefixIndex
 
 
 class SharedPrefixes:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from paxkv.engine.requests import Request, RequestTable
 from paxkv.core.sampling import RowSampling
+from paxkv.engine.requests import Request, RequestTable
 
 
 class RowState:

@@ -14,20 +14,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from paxkv.core import buckets
-
-from paxkv.cache import dense as dense_cache
-
-from paxkv.scale import mesh as pmesh
-
 from paxkv.attention.blocks import check_windows
+from paxkv.cache import dense as dense_cache
 from paxkv.cache import grouped
 from paxkv.cache import paged as paged_cache
-
-from paxkv.scale import sharded_cache
-from paxkv.scale import tensor_parallel
+from paxkv.core import buckets
 from paxkv.core.protocol import KVCache
-
+from paxkv.scale import mesh as pmesh
+from paxkv.scale import sharded_cache, tensor_parallel
 
 # Cache rows when the caller names none (on a mesh: rounded up to a multiple of its data axis).
 DEFAULT_MAX_SEQS = 32

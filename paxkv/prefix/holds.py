@@ -24,8 +24,8 @@ import numpy as np
 
 from paxkv.core import buckets
 from paxkv.scale.distributed import gather
-from paxkv.table import page_table as pt
 from paxkv.scale.sharded_cache import ShardedPagedCache
+from paxkv.table import page_table as pt
 
 CHUNK = 256  # most pages per shard of one retain call (a wider list runs in several)
 

@@ -30,7 +30,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)

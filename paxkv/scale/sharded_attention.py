@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paxkv.scale import mesh as pmesh
 from paxkv.cache.paged import PagedCache
 from paxkv.core.step_info import StepInfo
+from paxkv.scale import mesh as pmesh
 
 STATE = (pmesh.POOL, pmesh.SHARDED)  # specs of a shard's (pool, table)
 

@@ -42,18 +42,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from paxkv.scale import mesh as pmesh
-
-from paxkv.table import stats as page_stats
-
 from paxkv.cache import paged as paged_cache
-
-from paxkv.scale import sharded_attention
-from paxkv.table import page_table as pt
 from paxkv.cache import pool as kv_pool
 from paxkv.cache.paged import PagedCache
-from paxkv.scale.sharded_attention import STATE
 from paxkv.core.step_info import StepInfo
+from paxkv.scale import mesh as pmesh
+from paxkv.scale import sharded_attention
+from paxkv.scale.sharded_attention import STATE
+from paxkv.table import page_table as pt
+from paxkv.table import stats as page_stats
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pools", "tables"],

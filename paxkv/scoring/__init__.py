@@ -27,12 +27,10 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from paxkv.core import buckets
-
-from paxkv.scale import mesh as pmesh
-
 from pallas_kernels import quant
+from paxkv.core import buckets
 from paxkv.engine.setup import check_size, default_max_seqs, prompt_ids
+from paxkv.scale import mesh as pmesh
 from paxkv.scoring.requests import Pair, rolling_windows, token_pairs, truncate
 from paxkv.scoring.results import ScoreResult, ScoreStats
 from paxkv.scoring.scorer import Scorer

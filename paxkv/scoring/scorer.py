@@ -23,17 +23,15 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh
 
-from paxkv.engine import policy
-
-from paxkv.engine import routing as shard_routing
 from paxkv.core import plan as attention_plan
+from paxkv.core.protocol import check_model
+from paxkv.engine import policy
+from paxkv.engine import routing as shard_routing
 from paxkv.engine.cache_ops import CacheOps, host
 from paxkv.engine.setup import build_cache, place_model
 from paxkv.prefix.index import Hit
-from paxkv.core.protocol import check_model
 from paxkv.scoring import steps
 from paxkv.scoring.batches import (ChildRow, ContextRow, child_groups, context_step,
                                    continuation_step, pages_needed, step_width)

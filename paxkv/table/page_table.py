@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from paxkv.core.buckets import cdiv
 from paxkv.table.alloc import (PoolUpdate, free_page_ids, grant, keepers,  # noqa: F401
-                              place_new_pages, pool_update)
+                               place_new_pages, pool_update)
 from paxkv.table.share import attach, reorder  # noqa: F401
 from paxkv.table.state import PageTable, create  # noqa: F401
 from paxkv.table.stats import SharingStats, TableStats, sharing_stats, stats  # noqa: F401

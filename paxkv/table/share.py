@@ -7,11 +7,11 @@ failed rows left bit-identical). Re-exported from :mod:`paxkv.table.page_table`.
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from paxkv.core.buckets import cdiv
-
 from paxkv.table.state import PageTable
 
 

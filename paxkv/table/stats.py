@@ -7,6 +7,7 @@ Pure, jit-able reads of a :class:`paxkv.table.page_table.PageTable` (which re-ex
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 
