@@ -80,13 +80,23 @@ def hf_greedy(hf: Any, ids: list[int], new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def cached_logits(lm: Any, cache: Any, ids: list[int], chunks: list[int]) -> np.ndarray:
+def cached_logits(lm: Any, cache: Any, ids: list[int], chunks: list[int], *,
+                  exact: bool = False) -> np.ndarray:
     """``ids`` fed through ``cache`` (one row) in steps of ``chunks`` tokens, each step
-    right-padded to the widest (one compile) -> every position's logits ``[len(ids), vocab]``."""
-    width = max(chunks)
+    right-padded to the widest (one compile), or with ``exact`` as wide as its chunk (a step of
+    one token then takes the decode path: the Pallas decode kernel, not the prefill one) ->
+    every position's logits ``[len(ids), vocab]``."""
+    return cached_run(lm, cache, ids, chunks, exact=exact)[0]
+
+
+def cached_run(lm: Any, cache: Any, ids: list[int], chunks: list[int], *,
+               exact: bool = False) -> tuple[np.ndarray, Any]:
+    """:func:`cached_logits` and the cache it leaves (``cache`` itself is donated)."""
+    widest = max(chunks)
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step(params, cache, tokens, n):
+        width = tokens.shape[1]
         cache, ok = cache.reserve(n, max_new=width)
         info = StepInfo.make(cache.lengths, jnp.where(ok, n, 0), width)
         logits, cache = lm.forward(params, tokens, info, cache, all_logits=True)
@@ -94,7 +104,7 @@ def cached_logits(lm: Any, cache: Any, ids: list[int], chunks: list[int]) -> np.
 
     out, start = [], 0
     for size in chunks:
-        tokens = np.zeros((1, width), np.int32)
+        tokens = np.zeros((1, size if exact else widest), np.int32)
         tokens[0, :size] = ids[start:start + size]
         cache, logits, ok = step(lm.params, cache, jnp.asarray(tokens),
                                  jnp.asarray([size], jnp.int32))
@@ -102,7 +112,8 @@ def cached_logits(lm: Any, cache: Any, ids: list[int], chunks: list[int]) -> np.
         out.append(np.asarray(logits[:size]))
         start += size
     assert start == len(ids)
-    return np.concatenate(out)
+    return np.concatenate(out), cache
+
 
 GGUF_ARCHS = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 

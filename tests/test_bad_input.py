@@ -201,3 +201,12 @@ def test_mesh_defaults_fit_a_data_axis_of_six():
     got = run_worker("mesh_defaults", devices=6, module="test_bad_input")
     assert len(got["tokens"]) == 2 and got["max_seqs"] == 36
     assert got["reclaimable"] > 0 and got["free"] + got["reclaimable"] == got["num_pages"]
+
+
+def test_beam_search_runs_with_rank_promotion_raising(tiny):
+    """No silent rank promotion in beam selection: the stop-token test broadcast ``[P, K, 1]``
+    against ``[S]`` and raised under ``jax.numpy_rank_promotion("raise")``."""
+    with jax.numpy_rank_promotion("raise"):
+        beams = paxkv.beam_search(tiny, [[5, 6, 7]], beam_width=2, max_new_tokens=2,
+                                  stop_token_ids=[3])
+    assert len(beams[0]) == 2

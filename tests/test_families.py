@@ -167,15 +167,16 @@ def test_long_logits_match_hf(windowed: Case) -> None:
 
 @pytest.mark.oracle
 @needs_windows
-def test_long_cached_steps_match_hf(windowed: Case) -> None:
+def test_long_cached_steps_match_hf(case: Case) -> None:
     """A 3-window prompt through paged and dense caches made with
-    ``layer_windows=lm.layer_windows``: prefill chunks that straddle window edges, then decode
-    steps; every position's logits = HF's."""
-    lm = windowed.lm
+    ``layer_windows=lm.layer_windows`` (None for a family without windows: then 7 pages of one
+    row): prefill chunks that straddle window edges, then decode steps; every position's
+    logits = HF's."""
+    lm = case.lm
     ids = prompts((3 * WINDOW + 8,), seed=3)[0]  # 4 chunks of 13, then 4 decode steps
     sizes = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
                  max_seqs=1, max_len=64, layer_windows=lm.layer_windows)
-    ref = fo.hf_logits(windowed.hf, ids)
+    ref = fo.hf_logits(case.hf, ids)
     for cache in (paged_cache.create(num_pages=8, page_size=8, **sizes),
                   dense_cache.create(**sizes)):
         worst_error([fo.cached_logits(lm, cache, ids, [13] * 4 + [1] * 4)], [ref])

@@ -67,7 +67,7 @@ def select(b: Beams, logp: jax.Array, stop_ids: jax.Array, lp: jax.Array, early:
     src, tok = idx // v, idx % v
     seqs = gather(b.run_tokens, src).at[:, :, b.t].set(tok)  # [P, K, N]
     n = b.t + 1
-    hits = jnp.any(tok[..., None] == stop_ids, axis=-1) | (n >= n_max)  # [P, K]
+    hits = jnp.any(tok[..., None] == stop_ids[None, None, :], axis=-1) | (n >= n_max)  # [P, K]
     # Survivors: the best W candidates that did not just end.
     run_scores, keep = jax.lax.top_k(top + jnp.where(hits, NEG, 0.0), w)
     # Finished: only the best W candidates may enter, and only while the list can improve.
