@@ -171,7 +171,7 @@ def test_memory_512_prompt_shares_pages(lm):
 def test_one_prompt_reads_its_pages_once_and_beams_are_unchanged(lm, prompts, monkeypatch):
     """With one prompt every beam starts with its pages, so the paged search hints them
     (cascade attention); beams and scores equal the dense cache's."""
-    bs = importlib.import_module("paxkv.beam_search")  # paxkv.beam_search is the function
+    bs = importlib.import_module("paxkv.decoding.beam_search")  # paxkv.beam_search: the function
 
     seen = []
     real = bs._search

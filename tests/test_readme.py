@@ -47,7 +47,7 @@ def test_readme_jitted_loop_gives_generate_s_tokens_and_frees_every_page():
 
 
 def test_readme_streaming_loop_streams_every_token():
-    namespace = _run(_block("engine.step()"))
+    namespace = _run(_block("out = engine.step()"))
     ids, engine, done = namespace["ids"], namespace["engine"], namespace["done"]
     assert sorted(done) == sorted(ids) and not engine.table.requests  # handed out, dropped
     assert all(namespace["streamed"][i] == done[i].token_ids for i in ids)
