@@ -116,7 +116,7 @@ def test_pallas_kernels_match_hf_over_three_windows(tiny, family: str, kind: str
 # -- int8 K/V through the layer-grouped cache ------------------------------------------------
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "tables"],
-                   meta_fields=["groups", "scrub", "impl"])
+                   meta_fields=["groups", "scrub", "impl", "index_pages"])
 @dataclasses.dataclass(frozen=True)
 class RoundTripCache(grouped.GroupedPagedCache):
     """A float32 grouped cache that stores K/V as int8 would give them back: the exact twin of
@@ -186,8 +186,10 @@ def test_front_ends_match_hf_over_three_windows(tiny, family: str) -> None:
 
     * ``Engine`` (the layer-grouped cache for a window family): a greedy request with
       logprobs, forked mid-decode into two greedy children, beside an ``n=2`` sampled request;
-      the parent's tokens then each child's = HF's greedy tokens, the logprobs = HF's, and
-      every page of every group is free at the end;
+      the parent's tokens then each child's = HF's greedy tokens, the logprobs = HF's; the
+      prompt and two of its tokens again, served from the prefix cache (every window group's
+      pages at its end), go on with HF's tokens; every page of every group is free at the
+      end;
     * ``paxkv.score``: two continuations of one context (shared, forked) = HF's
       log-likelihoods within 1e-4;
     * ``beam_search`` (2 beams, 4 tokens, no length penalty): HF's beams, and the best
@@ -198,8 +200,7 @@ def test_front_ends_match_hf_over_three_windows(tiny, family: str) -> None:
     new = 8
     greedy = fo.hf_greedy(hf, ctx, new)
 
-    engine = paxkv.Engine(lm, max_seqs=4, max_len=96, page_size=PAGE, prefill_chunk=32,
-                          prefix_cache=False)
+    engine = paxkv.Engine(lm, max_seqs=4, max_len=96, page_size=PAGE, prefill_chunk=32)
     if lm.layer_windows is not None:
         assert isinstance(engine.cache, grouped.GroupedPagedCache)
     rid = engine.submit(ctx, max_new_tokens=new, stop_token_ids=[], logprobs=0)
@@ -214,6 +215,10 @@ def test_front_ends_match_hf_over_three_windows(tiny, family: str) -> None:
     for kid in kids:
         assert before + out[kid].token_ids == greedy
     assert [len(s.token_ids) for s in out[sampled].samples] == [5, 5]
+    again = engine.submit(ctx + greedy[:2], max_new_tokens=new - 2, stop_token_ids=[])
+    assert greedy[:2] + engine.run()[again].token_ids == greedy  # from the prefix cache
+    assert engine.stats().prefix_hit_tokens >= len(ctx) - PAGE  # window layers' pages too
+    engine.clear_prefix_cache()
     tables = getattr(engine.cache, "tables", None) or (engine.cache.table,)
     assert all(int(jnp.sum(t.ref_counts)) == 0 for t in tables), "a page is still held"
     assert engine.stats().kv_bytes_used == 0

@@ -179,8 +179,9 @@ def test_engine_serves_a_window_model_from_the_grouped_cache():
 
     lm = tiny_lm(scale=1.0, windows=(6, None, 5))
     sizes = dict(prefill_chunk=8, prefill_tokens=16)
-    engine = paxkv.Engine(lm, max_seqs=4, max_len=64, page_size=4, **sizes)
-    assert isinstance(engine.cache, grouped.GroupedPagedCache) and engine.prefixes is None
+    engine = paxkv.Engine(lm, max_seqs=4, max_len=64, page_size=4, prefix_cache=False,
+                          **sizes)
+    assert isinstance(engine.cache, grouped.GroupedPagedCache)
     whole = paged_cache.create(num_layers=3, num_kv_heads=1, head_dim=16, num_pages=64,
                                page_size=4, max_seqs=4, max_len=64,
                                layer_windows=lm.layer_windows)

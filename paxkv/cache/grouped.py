@@ -48,7 +48,7 @@ from paxkv.table import page_table as pt
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pool", "tables"],
-                   meta_fields=["groups", "scrub", "impl"])
+                   meta_fields=["groups", "scrub", "impl", "index_pages"])
 @dataclasses.dataclass(frozen=True)
 class GroupedPagedCache:
     """Paged KV with one page table per layer group (:class:`paxkv.core.protocol.KVCache`).
@@ -59,6 +59,8 @@ class GroupedPagedCache:
         lengths in each, group ``g``'s ids ``0 .. groups.num_pages[g]`` (its sentinel last).
       groups: the layer groups (static).
       scrub, impl: as :class:`paxkv.cache.paged.PagedCache`'s (static).
+      index_pages: pages of each window group (past group 0) kept for a prefix index's holds
+        (:mod:`paxkv.prefix.window_index` never holds more), on top of what the rows need.
     """
 
     pool: kv_pool.KVPool
@@ -66,6 +68,7 @@ class GroupedPagedCache:
     groups: LayerGroups
     scrub: bool = True
     impl: str = "xla"
+    index_pages: int = 0
 
     shares_pages = True
 
@@ -148,6 +151,27 @@ class GroupedPagedCache:
         released pages are not shared: they are gone); ``ok`` bool ``[k]``."""
         return self._each(pt.fork, parents, children)
 
+    def attach(self, rows: jax.Array, pages: jax.Array, lengths: jax.Array,
+               first: jax.Array) -> tuple["GroupedPagedCache", jax.Array]:
+        """A prefix-cache hit in every group, all-or-nothing per row: group ``g``'s
+        :func:`paxkv.table.page_table.attach` of ``pages[g]`` (int32 ``[groups, k, w]``,
+        group-local ids) from block ``first[g]`` (int32 ``[groups, k]``: a window group's row
+        holds only its window's pages); ``ok`` bool ``[k]``."""
+        rows = jnp.asarray(rows, jnp.int32)
+        ok = functools.reduce(jnp.logical_and, [
+            pt.attach(t, rows, pages[g], lengths, first[g])[1]
+            for g, t in enumerate(self.tables)])
+        kept = jnp.where(ok, rows, -1)  # a row out of range: a failed pair changes nothing
+        tables = tuple(pt.attach(t, kept, pages[g], lengths, first[g])[0]
+                       for g, t in enumerate(self.tables))
+        return dataclasses.replace(self, tables=tables), ok
+
+    def retain(self, pages: jax.Array, delta: int) -> "GroupedPagedCache":
+        """``delta`` more references on ``pages[g]`` (int32 ``[groups, n]``, group-local ids;
+        ids past a group's pool ignored) in each group: a prefix index's holds."""
+        return dataclasses.replace(self, tables=tuple(
+            pt.retain(t, pages[g], delta) for g, t in enumerate(self.tables)))
+
     def reorder(self, parents: jax.Array) -> tuple["GroupedPagedCache", jax.Array]:
         """Beam reorder in every group: block-table rows and ref counts move, K/V stays."""
         return self._each(pt.reorder, parents)
@@ -220,10 +244,21 @@ def window_group_pages(window: int, page_size: int, max_seqs: int, max_len: int,
     return min(max_seqs * per_row + extra, max_seqs * cdiv(max_len, page_size))
 
 
+def prefix_index_pages(layer_windows: tuple[int | None, ...], page_size: int, max_seqs: int,
+                       max_len: int) -> int:
+    """The default :func:`create` ``index_pages`` when an engine keeps a prefix cache: the
+    window pages of ``max_seqs`` cached prefix ends in the largest window (one window tail a
+    row), so a prompt served again, a conversation's next turn or a shared system prompt
+    finds its window layers' keys; each window group grows by this many pages."""
+    windows = [w for w in layer_windows if w is not None]
+    return max_seqs * window_pages_per_row(max(windows), page_size, 1, max_len) if windows else 0
+
+
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
            page_size: int, max_seqs: int, max_len: int,
            layer_windows: tuple[int | None, ...], step_tokens: int = 4096,
-           step_rows: int | None = None, window_pages: int | None = None, dtype: jnp.dtype = jnp.float32, scrub: bool = True,
+           step_rows: int | None = None, window_pages: int | None = None,
+           index_pages: int = 0, dtype: jnp.dtype = jnp.float32, scrub: bool = True,
            fill: float = 0.0, attention_impl: str = "auto") -> GroupedPagedCache:
     """An empty layer-grouped paged cache.
 
@@ -236,6 +271,9 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
         (:func:`window_group_pages`); ``step_rows``: the most rows that step spans (the
         engine's prefill call: :func:`paxkv.engine.policy.most_prefill_rows`; default all).
       window_pages: override of that size, for every window group.
+      index_pages: pages added to every window group past group 0 for a prefix index to
+        hold (:func:`prefix_index_pages`; 0: the index keeps no window page, so a model with
+        a window group never hits).
       dtype, scrub, fill, attention_impl: as :func:`paxkv.cache.paged.create`.
     """
     windows = check_windows(layer_windows, num_layers)
@@ -244,8 +282,10 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     first = None if None in windows else min(windows)
-    pages = {w: window_pages or window_group_pages(w, page_size, max_seqs, max_len, step_tokens,
-                                                   step_rows)
+    if not isinstance(index_pages, int) or index_pages < 0:
+        raise ValueError(f"index_pages must be an int >= 0, got {index_pages!r}")
+    pages = {w: index_pages + (window_pages or window_group_pages(
+        w, page_size, max_seqs, max_len, step_tokens, step_rows))
              for w in set(windows) if w is not None and w != first}
     pages[first] = num_pages
     groups = LayerGroups.of(windows, pages)
@@ -256,4 +296,5 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
     flat = kv_pool.create(num_layers=1, num_pages=groups.flat_pages - 1,
                           num_kv_heads=num_kv_heads, page_size=page_size, head_dim=head_dim,
                           dtype=dtype, fill=fill)
-    return GroupedPagedCache(pool=flat, tables=tables, groups=groups, scrub=scrub, impl=impl)
+    return GroupedPagedCache(pool=flat, tables=tables, groups=groups, scrub=scrub, impl=impl,
+                             index_pages=index_pages)

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from paxkv.cache.grouped import GroupedPagedCache
-from paxkv.prefix import holds as page_holds
+from paxkv.prefix.index import Hit
 from paxkv.scale.distributed import gather
 
 # One jitted read of a page-sharing cache's accounting (any KVCache with ``stats`` and
@@ -168,7 +168,7 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
     num_pages = cache.total_pages
     return EngineStats(
         num_pages=num_pages, free_pages=num_pages - used,
-        reclaimable_pages=reclaimable(cache, index), used_pages=used,
+        reclaimable_pages=reclaimable(index), used_pages=used,
         shared_pages=shared, row_references=refs, row_pages=distinct,
         cow_copies=ops.cow_copies, prefill_tokens=counters.prefill_tokens,
         decode_tokens=counters.decode_tokens, peak_pages_used=ops.peak_used,
@@ -180,11 +180,10 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
         groups=group_stats(cache, used), sequences=seqs)
 
 
-def reclaimable(cache: Any, index: Any) -> int:
+def reclaimable(index: Any) -> int:
     """Pages ``index`` (a :class:`~paxkv.engine.prefix_sharing.SharedPrefixes` or None) could
-    evict now in every shard of ``cache``: those only it holds, chains' tails included
+    evict now in every shard of its cache: those only it holds, chains' tails included
     (:meth:`~paxkv.prefix.index.PrefixIndex.evictable`)."""
     if index is None or not len(index):
         return 0
-    refs = page_holds.ref_counts(cache)  # [shards, pages]
-    return sum(ix.evictable(refs[s]) for s, ix in enumerate(index.shards))
+    return int(index.reclaimable([Hit()] * len(index.shards)).sum())

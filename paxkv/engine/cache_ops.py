@@ -169,6 +169,22 @@ class CacheOps:
             raise RuntimeError(f"attaching cached pages {list(pages)} to row {row} failed")
         self.shares = True
 
+    def attach_groups(self, row: int, pages: Sequence[Sequence[int]], first: Sequence[int],
+                      num_tokens: int) -> None:
+        """:meth:`attach` on a layer-grouped cache: ``pages[g]`` in group ``g`` from block
+        ``first[g]`` (:meth:`paxkv.cache.grouped.GroupedPagedCache.attach`)."""
+        self.cache, ok = page_holds.attach_groups(self.cache, row, pages, first, num_tokens)
+        if not ok:
+            raise RuntimeError(f"attaching cached pages {[list(p) for p in pages]} to row "
+                               f"{row} failed")
+        self.shares = True
+
+    def retain_groups(self, pages: Sequence[Sequence[int]], delta: int) -> None:
+        """``delta`` more references on each group's pages (``pages[g]``) of a layer-grouped
+        cache: its prefix index's holds."""
+        if any(pages):
+            self.cache = page_holds.retain_groups(self.cache, pages, delta)
+
     def retain(self, pages: Sequence[int], delta: int, shard: int = 0) -> None:
         """``delta`` more references on each of ``pages`` of ``shard`` (the prefix index's
         holds)."""

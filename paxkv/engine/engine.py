@@ -33,7 +33,7 @@ from paxkv.engine.accounting import Counters, EngineStats, SequenceStats
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.lifecycle import Lifecycle
 from paxkv.engine.policy import Growth, Shapes
-from paxkv.engine.prefix_sharing import SharedPrefixes
+from paxkv.engine.prefix_sharing import SharedPrefixes, WindowPrefixes
 from paxkv.engine.requests import GenerationResult, Request, RequestTable, StepOutput
 from paxkv.engine.rows import RowState
 from paxkv.engine.scheduler import Scheduler
@@ -58,7 +58,9 @@ class Engine:
       attention_impl: "auto" (Pallas on a GPU for pages the kernels accept, else XLA),
         "pallas" or "xla".
       prefill_chunk: longest prompt chunk per prefill call; prefill_tokens: batch x chunk budget.
-      prefix_cache: reuse cached full pages across requests (default: on for a paged cache).
+      prefix_cache: reuse cached full pages across requests (default: on for a paged cache;
+        on a model with window layers each window group keeps the window pages of cached
+        prompts too: :mod:`paxkv.prefix.window_index`).
         Cached pages stay after their requests finish, until evicted for room or dropped by
         :meth:`clear_prefix_cache`: :meth:`stats` counts them as ``reclaimable_pages``, not
         free ones.
@@ -88,21 +90,23 @@ class Engine:
         kv = build_cache(model, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
                          num_pages=num_pages, kv_dtype=kv_dtype,
                          attention_impl=attention_impl, scrub=scrub, mesh=mesh,
-                         step_tokens=prefill_tokens,
+                         step_tokens=prefill_tokens, prefix_cache=prefix_cache is not False,
                          step_rows=policy.most_prefill_rows(prefill_chunk, prefill_tokens))
-        if prefix_cache and isinstance(kv, GroupedPagedCache):
-            raise ValueError("the prefix cache does not hold sliding-window pages yet: pass "
-                             "prefix_cache=False, or a cache that keeps every layer's pages "
-                             "(paxkv.cache.paged.create(..., layer_windows=...))")
         if prefix_cache and not kv.shares_pages:
             raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared): "
                              "pass prefix_cache=False or cache='paged'")
         self.model = place_model(model, mesh)
         self.table = RequestTable(kv.max_seqs)
         self.ops = CacheOps(kv, None if isinstance(cache, KVCache) else max_len)
-        use_index = (kv.shares_pages and not isinstance(kv, GroupedPagedCache)
-                     if prefix_cache is None else prefix_cache)
-        self.prefixes = SharedPrefixes(self.ops, kv.page_size) if use_index else None
+        blind = isinstance(kv, GroupedPagedCache) and len(kv.groups.windows) > 1 \
+            and not kv.index_pages  # an index that may keep no window page never hits
+        if prefix_cache and blind:
+            raise ValueError("this grouped cache keeps no page for a prefix index in its window "
+                             "groups: build it with paxkv.cache.grouped.create(..., index_pages="
+                             "grouped.prefix_index_pages(...)) or pass prefix_cache=False")
+        use_index = kv.shares_pages and not blind if prefix_cache is None else prefix_cache
+        kind = WindowPrefixes if isinstance(kv, GroupedPagedCache) else SharedPrefixes
+        self.prefixes = kind(self.ops, kv.page_size) if use_index else None
         self.counters = Counters()
         rows, growth = RowState(self.table), growth or Growth()
         self.lifecycle = Lifecycle(self.model, self.table, rows, self.ops, self.prefixes,

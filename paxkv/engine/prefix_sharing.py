@@ -27,6 +27,7 @@ from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.requests import Request
 from paxkv.prefix import holds as page_holds
 from paxkv.prefix.index import Hit, PrefixIndex
+from paxkv.prefix.window_index import GroupHit, WindowPrefixIndex
 
 
 class SharedPrefixes:
@@ -35,9 +36,11 @@ class SharedPrefixes:
     ``inserted``, ``evicted``) sum the shards' (what :func:`paxkv.engine.accounting.engine_stats`
     reads)."""
 
+    each_chunk = False  # index a prompt's pages after every prefill chunk, not only its end
+
     def __init__(self, ops: CacheOps, page_size: int):
         self.ops, self.page_size = ops, page_size
-        self.shards = [PrefixIndex(page_size) for _ in range(ops.num_shards)]
+        self.shards: list = [PrefixIndex(page_size) for _ in range(ops.num_shards)]
 
     @property
     def index(self) -> PrefixIndex:
@@ -129,3 +132,53 @@ class SharedPrefixes:
     @property
     def evicted(self) -> int:
         return sum(ix.evicted for ix in self.shards)
+
+
+class WindowPrefixes(SharedPrefixes):
+    """The prefix cache of a layer-grouped cache (:mod:`paxkv.cache.grouped`, one device): one
+    :class:`~paxkv.prefix.window_index.WindowPrefixIndex` holding a page per group of each
+    cached block. A window group's row drops its pages as its window moves on, so a prompt is
+    indexed after every prefill chunk, catching each chunk's window pages before they slide
+    out: a later prompt sharing any prefix of it finds the window layers' keys at its end."""
+
+    each_chunk = True
+
+    def __init__(self, ops: CacheOps, page_size: int):
+        cache = ops.cache
+        self.ops, self.page_size = ops, page_size
+        self.shards = [WindowPrefixIndex(page_size, cache.groups.windows, cache.index_pages)]
+
+    def attach(self, req: Request, hit: GroupHit) -> None:  # type: ignore[override]
+        self.ops.attach_groups(req.row, hit.groups, hit.first, hit.num_tokens)
+        req.cached = hit.num_tokens
+
+    def index_rows(self, reqs: list[Request]) -> None:
+        reqs = [r for r in reqs if r.row is not None and r.cached >= self.page_size]
+        if not reqs:
+            return
+        tables = page_holds.group_block_tables(self.ops.cache)  # [groups, max_seqs, width]
+        for r in reqs:
+            full = r.cached // self.page_size
+            taken, dropped = self.index.insert(r.tokens[:full * self.page_size],
+                                               tables[:, r.row, :full], r.salt)
+            self.ops.retain_groups(taken, 1)
+            self.ops.retain_groups(dropped, -1)
+
+    def evict(self, num: int, protect: Sequence[int] = (), shard: int = 0) -> None:
+        if not len(self.index):
+            return
+        refs = page_holds.group_ref_counts(self.ops.cache)
+        self.ops.retain_groups(self.index.evict(num, refs, protect), -1)
+        self.ops.refresh_free()
+
+    def reclaimable(self, hits: Sequence[Hit]) -> np.ndarray:
+        if not len(self.index):
+            return np.zeros(1, np.int64)
+        refs = page_holds.group_ref_counts(self.ops.cache)
+        return np.array([self.index.evictable(refs, hits[0].pages)], np.int64)
+
+    def clear(self) -> int:
+        pages = self.index.clear()
+        self.ops.retain_groups(pages, -1)
+        self.ops.refresh_free()
+        return len(pages[0])

@@ -172,6 +172,8 @@ class Scheduler:
             self.counters.prefill_tokens += int(qlen[i])
             r.cached += int(qlen[i])
             (more if r.cached < r.target else done).append(r)
+        if self.prefixes is not None and self.prefixes.each_chunk:
+            self.prefixes.index_rows(more[len(later):])  # before their windows slide on
         self._prefilled(done, drawn, [batch.index(r) for r in done])
         return more
 

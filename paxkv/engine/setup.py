@@ -40,7 +40,7 @@ def default_max_seqs(max_seqs: int | None, mesh: Mesh | None = None) -> int:
 def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int | None, max_len: int,
                 page_size: int, num_pages: int | None, kv_dtype: Any, attention_impl: str,
                 scrub: bool, mesh: Mesh | None = None, step_tokens: int | None = None,
-                step_rows: int | None = None) -> KVCache:
+                step_rows: int | None = None, prefix_cache: bool = False) -> KVCache:
     """The cache an engine asked for by name ("paged" or "dense", sized for ``model``), or
     ``cache`` itself when it is already a :class:`KVCache`. ``num_pages`` defaults to the
     dense reservation ``max_seqs * ceil(max_len / page_size)``; ``max_seqs`` None: the
@@ -51,7 +51,8 @@ def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int | None, max_l
     ``step_tokens`` (the most tokens one step adds over all rows, over at most ``step_rows``
     rows), the layer-grouped cache
     whose window groups release their pages in the step (:mod:`paxkv.cache.grouped`;
-    ``num_pages`` are then its global layers'); on a mesh, or without ``step_tokens``, a
+    ``num_pages`` are then its global layers', and with ``prefix_cache`` each window group
+    holds :func:`paxkv.cache.grouped.prefix_index_pages` more for the index); on a mesh, or without ``step_tokens``, a
     paged cache that keeps every layer's pages and applies the windows as masks."""
     if isinstance(cache, KVCache):
         if mesh is not None:
@@ -71,7 +72,10 @@ def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int | None, max_l
         if mesh is not None:
             return sharded_cache.create(mesh=mesh, **paged)
         if step_tokens is not None and check_windows(dims["layer_windows"], model.num_layers):
-            return grouped.create(step_tokens=step_tokens, step_rows=step_rows, **paged)
+            index = (grouped.prefix_index_pages(dims["layer_windows"], page_size, max_seqs,
+                                                max_len) if prefix_cache else 0)
+            return grouped.create(step_tokens=step_tokens, step_rows=step_rows,
+                                  index_pages=index, **paged)
         return paged_cache.create(**paged)
     if cache == "dense":
         if mesh is not None:

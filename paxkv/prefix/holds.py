@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from paxkv.cache.grouped import GroupedPagedCache
 from paxkv.core import buckets
 from paxkv.scale.distributed import gather
 from paxkv.scale.sharded_cache import ShardedPagedCache
@@ -57,6 +58,60 @@ def retain_shard_pages(cache: ShardedPagedCache, pages: jax.Array, *,
                        delta: int) -> ShardedPagedCache:
     """:meth:`ShardedPagedCache.retain` (pages int32 ``[data, n]``, shard-local ids)."""
     return cache.retain(pages, delta)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def attach_group_rows(cache: GroupedPagedCache, rows: jax.Array, pages: jax.Array,
+                      lengths: jax.Array, first: jax.Array) -> tuple[GroupedPagedCache, jax.Array]:
+    """:meth:`GroupedPagedCache.attach` (pages ``[groups, k, w]``, first ``[groups, k]``)."""
+    return cache.attach(rows, pages, lengths, first)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("delta",))
+def retain_group_pages(cache: GroupedPagedCache, pages: jax.Array, *,
+                       delta: int) -> GroupedPagedCache:
+    """:meth:`GroupedPagedCache.retain` (pages int32 ``[groups, n]``, group-local ids)."""
+    return cache.retain(pages, delta)
+
+
+def attach_groups(cache: GroupedPagedCache, row: int, pages: Sequence[Sequence[int]],
+                  first: Sequence[int], num_tokens: int) -> tuple[GroupedPagedCache, bool]:
+    """:func:`attach` on a layer-grouped cache: ``pages[g]`` (group ``g``'s ids, -1 before
+    block ``first[g]``) in every group, all or none."""
+    width = cache.table.block_tables.shape[-1]
+    cells = np.full((len(pages), 1, width), -1, np.int32)
+    for g, group_pages in enumerate(pages):
+        cells[g, 0, :len(group_pages)] = group_pages
+    cache, ok = attach_group_rows(cache, np.array([row], np.int32), cells,
+                                  np.array([num_tokens], np.int32),
+                                  np.array(first, np.int32)[:, None])
+    return cache, bool(ok[0])
+
+
+def retain_groups(cache: GroupedPagedCache, pages: Sequence[Sequence[int]],
+                  delta: int) -> GroupedPagedCache:
+    """``cache`` with ``delta`` more references on each group's pages (``pages[g]``)."""
+    longest = max((len(p) for p in pages), default=0)
+    past = max(cache.groups.num_pages) + 1  # past every group's pool: ignored
+    for start in range(0, longest, CHUNK):
+        chunks = [list(p[start:start + CHUNK]) for p in pages]
+        padded = np.full((len(chunks), buckets.pow2(max(map(len, chunks)), 8)), past, np.int32)
+        for g, chunk in enumerate(chunks):
+            padded[g, :len(chunk)] = chunk
+        cache = retain_group_pages(cache, padded, delta=delta)
+    return cache
+
+
+def group_block_tables(cache: GroupedPagedCache) -> np.ndarray:
+    """int32 ``[groups, max_seqs, max_pages_per_seq]``, -1 where a row holds no page (a
+    window group's slid-out blocks, past its length)."""
+    tables = gather(tuple(t.block_tables for t in cache.tables))
+    return np.stack([np.where(t == n, -1, t) for t, n in zip(tables, cache.groups.num_pages)])
+
+
+def group_ref_counts(cache: GroupedPagedCache) -> list[np.ndarray]:
+    """Per group, int32 ``[num_pages_g]``: its references per page."""
+    return list(gather(tuple(t.ref_counts for t in cache.tables)))
 
 
 def attach(cache: Any, row: int, pages: Sequence[int], num_tokens: int) -> tuple[Any, bool]:

@@ -269,6 +269,15 @@ class PrefixIndex:
         self._by_page.clear()
         return pages
 
+    def drop_leaf(self, page: int) -> int | None:
+        """Forgets ``page`` if no cached page chains below it; returns its parent's page (-1:
+        it was a first page), or None when it has children (kept)."""
+        node = self._by_page[page]
+        if node.children:
+            return None
+        self._remove(node)
+        return node.parent.page
+
     def _remove(self, node: _Node) -> None:
         del node.parent.children[node.digest]
         del self._nodes[node.digest]

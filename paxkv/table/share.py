@@ -41,8 +41,8 @@ def reorder(table: PageTable, parents: jax.Array) -> tuple[PageTable, jax.Array]
         lengths=jnp.where(ok, table.lengths[p], 0), active=ok), ok
 
 
-def attach(table: PageTable, rows: jax.Array, pages: jax.Array,
-           lengths: jax.Array) -> tuple[PageTable, jax.Array]:
+def attach(table: PageTable, rows: jax.Array, pages: jax.Array, lengths: jax.Array,
+           first: jax.Array | None = None) -> tuple[PageTable, jax.Array]:
     """Each inactive ``rows[i]`` becomes a sequence of ``lengths[i]`` tokens already stored in
     pages that someone holds (a prefix-cache hit): no KV moves, the pages' ref counts go up.
 
@@ -57,6 +57,9 @@ def attach(table: PageTable, rows: jax.Array, pages: jax.Array,
       pages: int32 ``[k, w]`` (``w <= max_pages_per_seq``): the row's first pages in order;
         cells from ``ceil(lengths[i] / page_size)`` on are ignored.
       lengths: int32 ``[k]``.
+      first: int32 ``[k]`` (default 0): the row's first held block. A sliding-window group's
+        row holds only its window's pages (:func:`paxkv.table.page_table.slide`), so a hit
+        attaches there with leading sentinels: cells before ``first[i]`` are ignored.
 
     Returns:
       ``(table, ok)``: ``ok[i]`` is True when the row was in range, inactive and named once,
@@ -73,10 +76,13 @@ def attach(table: PageTable, rows: jax.Array, pages: jax.Array,
     in_range = (rows >= 0) & (rows < s)
     r = jnp.clip(rows, 0, s - 1)
     uses = jnp.zeros((s,), jnp.int32).at[jnp.where(in_range, r, s)].add(1, mode="drop")
-    used = jnp.arange(w, dtype=jnp.int32)[None, :] < cdiv(lengths, table.page_size)[:, None]
+    first = jnp.zeros_like(lengths) if first is None else jnp.asarray(first, jnp.int32)
+    block = jnp.arange(w, dtype=jnp.int32)[None, :]
+    used = (block >= first[:, None]) & (block < cdiv(lengths, table.page_size)[:, None])
     real = (pages >= 0) & (pages < table.num_pages)
     held = jnp.take(table.ref_counts, jnp.clip(pages, 0, table.num_pages - 1)) > 0
-    ok = (in_range & ~table.active[r] & (uses[r] == 1) & (lengths >= 1)
+    ok = (in_range & ~table.active[r] & (uses[r] == 1) & (lengths >= 1) & (first >= 0)
+          & (first < cdiv(lengths, table.page_size))
           & (lengths <= jnp.minimum(table.max_len, w * table.page_size))
           & jnp.all(~used | (real & held), axis=1))
     cells = jnp.where(used, pages, table.sentinel)
