@@ -236,3 +236,34 @@ def test_readme_sliding_window_block_runs_and_keeps_window_layers_small():
     assert max(w for _, w in held) <= 3 < max(g for g, _ in held) == 21
     assert held[-2] == [21, 3] and held[-1] == [0, 0]
     assert engine.stats().kv_bytes_used == 0 < engine.stats().peak_kv_bytes_used
+
+
+def test_beam_search_on_a_window_model_runs_the_grouped_cache(monkeypatch) -> None:
+    """``beam_search`` on a model with window layers searches over the layer-grouped cache
+    (window pages released as the beams move on: fork, reorder and release per group) and
+    finds the beams and scores of the same search over a cache that keeps every layer's
+    pages and masks the windows."""
+    import paxkv  # noqa: PLC0415
+    from paxkv.decoding import beam_search as bs  # noqa: PLC0415
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    lm = tiny_lm(scale=1.0, windows=(6, None, 5))
+    prompts = [list(range(10, 40)), list(range(60, 81))]
+    made = []
+    original = bs._make_cache
+
+    def spy(*args, **kw):
+        made.append(original(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(bs, "_make_cache", spy)
+    kw = dict(beam_width=3, max_new_tokens=12, stop_token_ids=[], page_size=4)
+    windowed = paxkv.beam_search(lm, prompts, **kw)
+    assert isinstance(made[-1], grouped.GroupedPagedCache)
+    monkeypatch.setattr(bs, "_make_cache", lambda cache, mesh, num_pages, page_size, impl,
+                        tokens, rows, **dims: paged_cache.create(
+                            num_pages=num_pages, page_size=page_size, **dims))
+    whole = paxkv.beam_search(lm, prompts, **kw)
+    for a, b in zip(windowed, whole):
+        assert [x.token_ids for x in a] == [x.token_ids for x in b]
+        np.testing.assert_allclose([x.score for x in a], [x.score for x in b], atol=1e-5)

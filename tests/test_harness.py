@@ -201,3 +201,50 @@ def test_chat_template_matches_the_hf_backend(hf, paxkv_lm):
             assert paxkv_lm.apply_chat_template(history, prompt) == \
                 hf_lm.apply_chat_template(history, prompt)
     assert paxkv_lm.chat_template(True) == hf_lm.chat_template(True)
+
+
+# -- a sliding-window family through the backend (no default model) ----------------------------
+@pytest.mark.oracle
+def test_the_backend_scores_a_gemma3_folder_as_hf_does(tmp_path):
+    """``--model paxkv`` on a Gemma 3 checkpoint folder (a tiny random ``gemma3_text``, 5
+    window layers of 16 tokens : 1 global, with a character tokenizer saved beside it):
+    log-likelihoods of continuations after contexts 4-5 windows long, and a rolling
+    log-likelihood over 6 windows, equal HF's own float32 log-probabilities within 1e-4."""
+    pytest.importorskip("transformers")
+    import tokenizers  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    import family_oracle as fo  # noqa: PLC0415
+
+    hf = fo.tiny_hf("gemma3_text", tie_word_embeddings=False)
+    hf.save_pretrained(tmp_path)
+    letters = "abcdefghijklmnopqrstuvwxyz .,"
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
+    vocab.update({c: i + 4 for i, c in enumerate(letters)})
+    chars = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    chars.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=chars, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        pad_token="<pad>").save_pretrained(tmp_path)
+
+    backend = PaxkvLM(pretrained=str(tmp_path), max_length=128, batch_size=4, page_size=8)
+    assert backend.lm.layer_windows == (16, 16, 16, 16, 16, None)
+    context = "the quick brown fox jumps over the lazy dog, then naps in the warm sun."
+    pairs = [(context, " it sleeps."), (context[:64], " by the river"), (context, " x")]
+    got = backend.loglikelihood([_request("loglikelihood", p) for p in pairs])
+    text = "a long walk by the sea, under grey skies, with gulls over the cold waves."
+    (rolling,) = backend.loglikelihood_rolling([_request("loglikelihood_rolling", (text,))])
+
+    def hf_logprob(ids: list[int], start: int) -> float:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0].double()
+        logp = torch.log_softmax(logits, -1).numpy()
+        return float(sum(logp[i - 1, ids[i]] for i in range(start, len(ids))))
+
+    for (ctx, cont), (logprob, _) in zip(pairs, got):
+        ids = chars.encode(ctx).ids + chars.encode(cont).ids
+        assert abs(logprob - hf_logprob(ids, len(chars.encode(ctx).ids))) < 1e-4
+    start = backend.prefix_token_id  # BOS, as the hf backend's
+    assert start == vocab["<bos>"]
+    assert abs(rolling - hf_logprob([start] + chars.encode(text).ids, 1)) < 1e-4

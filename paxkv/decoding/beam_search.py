@@ -35,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from paxkv.attention.blocks import check_windows
 from paxkv.cache import dense as dense_cache
+from paxkv.cache import grouped
 from paxkv.cache import paged as paged_cache
 from paxkv.core.buckets import cdiv, prefix_bucket
 from paxkv.core.plan import NO_PLAN, AttentionPlan
@@ -161,14 +163,20 @@ def _search(forward, params, cache, logp0, stop_ids, length_penalty, early, *,
 
 
 def _make_cache(cache: str, mesh: Mesh | None, num_pages: int, page_size: int,
-                attention_impl: str, **dims: Any) -> KVCache:
-    """The search's cache: paged (sharded over ``mesh``'s data axis when given) or dense."""
+                attention_impl: str, prefill_tokens: int, prompts: int, **dims: Any) -> KVCache:
+    """The search's cache: paged (sharded over ``mesh``'s data axis when given) or dense; on
+    one device, for a model with sliding-window layers, layer-grouped (its window groups
+    release their pages in the step, sized for one prefill of ``prefill_tokens`` over
+    ``prompts`` rows, then one token a row)."""
     if cache == "dense":
         return dense_cache.create(**dims)
     paged = dict(num_pages=num_pages, page_size=page_size, attention_impl=attention_impl,
                  **dims)
-    return (sharded_cache.create(mesh=mesh, **paged) if mesh is not None
-            else paged_cache.create(**paged))
+    if mesh is not None:
+        return sharded_cache.create(mesh=mesh, **paged)
+    if check_windows(dims["layer_windows"], dims["num_layers"]):
+        return grouped.create(step_tokens=prefill_tokens, step_rows=prompts, **paged)
+    return paged_cache.create(**paged)
 
 
 def _check(beam_width, max_new_tokens, early_stopping, cache, page_size, mesh=None) -> None:
@@ -216,7 +224,7 @@ def search(lm: Any, prompt_ids: Sequence[Sequence[int]], *, beam_width: int,
                 max_seqs=p * w, max_len=max_len, dtype=kv_dtype,
                 layer_windows=getattr(lm, "layer_windows", None))
     num_pages = p * (cdiv(width, ps) + w * (cdiv(n, ps) + 1))
-    kv = _make_cache(cache, mesh, num_pages, ps, attention_impl, **dims)
+    kv = _make_cache(cache, mesh, num_pages, ps, attention_impl, p * width, p, **dims)
     plan = NO_PLAN
     if cache == "paged" and p == 1:  # every beam starts with the prompt's pages: read them once
         plan = AttentionPlan(prefix_pages=prefix_bucket(lens[0] // ps))
