@@ -26,8 +26,15 @@ the compiles inside them, from ``jax.monitoring``); K/V bytes held per running s
 against keeping every layer whole and against the computed ideal (global layers: every page
 of the context; window layers: ``ceil(w / page) + 1`` pages); waste at steady state (held
 bytes that no query can read: a window layer's keys before its window, empty page tails);
-leaked pages after the run; greedy tokens equal across the systems. Writes
-``results/windows.json``.
+leaked pages after the run; greedy tokens equal across the systems.
+
+**Shared system prompt** (the second table): every request starts with the same
+``--system-windows`` windows, then its own tokens up to the same context; the released cache
+with its window-aware prefix cache (:mod:`paxkv.prefix.window_index`) against the released
+cache without one and the whole-layer cache with the plain prefix cache (same rows and
+global pages as the first table). Figures: prompt tokens served from the cache and computed,
+tok/s, the pool's K/V bytes (the window groups grow by the index's budget), leaked pages once
+the cache is cleared, tokens equal. Writes ``results/windows.json``.
 """
 
 from __future__ import annotations
@@ -174,6 +181,53 @@ def ideal_ratio(lm: LanguageModel, args: Any) -> float:
     return sum(kept) / (pages * lm.num_layers)
 
 
+def shared_prompt(lm: LanguageModel, args: Any) -> tuple[list[dict[str, Any]], bool]:
+    """The second table (module docstring): rows and whether the tokens agree."""
+    rng = np.random.default_rng(2)
+    system = rng.integers(1, lm.vocab_size, args.system_windows * args.window).tolist()
+    prompts = [system + rng.integers(1, lm.vocab_size, args.max_len - args.output
+                                     - len(system)).tolist() for _ in range(args.requests)]
+    built = caches(lm, args)
+    released, whole = built["released"], built["whole"]
+    sizes = dict(max_seqs=released.max_seqs, max_len=args.max_len, page_size=args.page_size,
+                 prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens)
+    systems = {
+        "released + prefix cache": lambda: paxkv.Engine(lm, num_pages=released.num_pages,
+                                                        **sizes),
+        "released, no prefix cache": lambda: paxkv.Engine(lm, cache=released,
+                                                          prefix_cache=False, **sizes),
+        "whole + prefix cache": lambda: paxkv.Engine(lm, cache=whole, prefix_cache=True,
+                                                     **sizes),
+    }
+    rows, tokens = [], {}
+    for name, make in systems.items():
+        engine = make()
+        ids = [engine.submit(p, max_new_tokens=args.output, stop_token_ids=[]) for p in prompts]
+        wall, done = 0.0, {}
+        with CompileClock() as compiling:
+            while engine.has_work():
+                start, compiled = time.perf_counter(), compiling.total
+                done.update(engine.step().finished)
+                jax.block_until_ready(engine.cache)
+                wall += time.perf_counter() - start - (compiling.total - compiled)
+        stats = engine.stats()
+        engine.clear_prefix_cache()
+        tokens[name] = [done[i].token_ids for i in ids]
+        rows.append(dict(system=name, hit_tokens=stats.prefix_hit_tokens,
+                         computed_tokens=engine.counters.prefill_tokens,
+                         tok_per_s=args.output * len(prompts) / wall,
+                         pool_bytes=engine.cache.kv_bytes_per_device,
+                         leaked=_leaked(engine.cache)))
+    equal = all(t == tokens["whole + prefix cache"] for t in tokens.values())
+    common.print_table(
+        ["system", "prompt tokens cached", "computed", "tok/s", "pool KiB", "leaked"],
+        [[r["system"], str(r["hit_tokens"]), str(r["computed_tokens"]),
+          f"{r['tok_per_s']:.1f}", f"{r['pool_bytes'] / 1024:,.0f}", str(r["leaked"])]
+         for r in rows])
+    print(f"shared system prompt of {len(system)} tokens; tokens equal: {equal}")
+    return rows, equal
+
+
 def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--layers", type=int, default=12)
@@ -185,10 +239,13 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=128)
+    ap.add_argument("--system-windows", type=int, default=4,
+                    help="the shared system prompt of the second table, in windows")
     args = ap.parse_args()
     if args.quick:
         args.layers, args.window, args.requests, args.output = 6, 16, 12, 8
         args.budget_seqs, args.page_size, args.prefill_chunk, args.prefill_tokens = 3, 4, 32, 64
+        args.system_windows = 2
     args.max_len = args.windows * args.window
     lm = gemma3_shaped(args)
     rng = np.random.default_rng(1)
@@ -213,10 +270,13 @@ def main() -> None:
           f"{r['waste_steady']:.1%}", str(r["leaked"])] for r in rows])
     ideal = ideal_ratio(lm, args)
     print(f"ideal bytes per sequence, released / whole: {ideal:.3f}; tokens equal: {equal}")
-    ok = all(equal.values()) and all(r["leaked"] == 0 for r in rows)
+    shared, shared_equal = shared_prompt(lm, args)
+    ok = (all(equal.values()) and shared_equal
+          and all(r["leaked"] == 0 for r in rows + shared))
     common.finish(common.result_name("windows", args.quick),
                   common.record(vars(args), dict(systems=rows, ideal_ratio=ideal,
-                                                 tokens_equal=equal)), ok)
+                                                 tokens_equal=equal, shared_prompt=shared,
+                                                 shared_tokens_equal=shared_equal)), ok)
 
 
 if __name__ == "__main__":

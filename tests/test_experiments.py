@@ -185,7 +185,8 @@ def test_reserve_cost_allocates_on_every_call():
 def test_window_capacity_releases_pages_leaks_none_and_agrees(tmp_path, monkeypatch):
     """``experiments.windows --quick``: the released system holds under a third of the
     whole-layer bytes per sequence, runs more sequences, every system gives the same tokens and
-    leaks nothing (the run's own check exits non-zero otherwise)."""
+    leaks nothing (the run's own check exits non-zero otherwise); with a shared system prompt
+    the window-aware prefix cache serves it to every request after the first."""
     import sys  # noqa: PLC0415
 
     from experiments import windows  # noqa: PLC0415
@@ -199,3 +200,8 @@ def test_window_capacity_releases_pages_leaks_none_and_agrees(tmp_path, monkeypa
     assert all(r["leaked"] == 0 for r in systems.values())
     assert systems["released"]["bytes_per_seq_vs_whole"] <= data["ideal_ratio"] + 0.02
     assert systems["released"]["peak_running"] > systems["whole"]["peak_running"]
+    shared = {r["system"]: r for r in data["shared_prompt"]}
+    assert data["shared_tokens_equal"] and all(r["leaked"] == 0 for r in shared.values())
+    hit = shared["released + prefix cache"]["hit_tokens"]  # the system prompt, every request
+    assert hit >= (12 - 1) * 2 * 16 - 4, hit  # but the first (2 windows of 16; pages of 4)
+    assert shared["released, no prefix cache"]["hit_tokens"] == 0

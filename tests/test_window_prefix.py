@@ -29,7 +29,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from paxkv.core.buckets import cdiv
 from paxkv.prefix.window_index import GroupHit, WindowPrefixIndex
 
-CONFIGS = (((None, 6), 2, 6), ((None, 5, 8), 3, 4), ((6,), 2, 10), ((None, 4), 4, 0))
+CONFIGS = (((None, 6), 2, 6), ((None, 5, 8), 3, 8), ((6,), 2, 10), ((None, 4), 4, 0))
 SALTS = (None, "b")
 HITS: list[bool] = []  # lookups the machine made: served or not
 
@@ -48,7 +48,7 @@ class WindowIndexMachine(RuleBasedStateMachine):
         self.model: dict[tuple, list[int]] = {}  # (salt, tokens to block end) -> page per group
         self.others: list[set[int]] = [set() for _ in self.windows]  # pages a "row" also holds
         self.ops = 0
-        self.seen: list[list[int]] = []  # inserted prompts, for lookups that may hit
+        self.seen: list[tuple] = []  # inserted prompts: (tokens, window end block, salt)
 
     # -- what the index holds, as the model says ---------------------------------------------
     def _apply(self, key_pages: dict[tuple, list[int]], taken, dropped) -> None:
@@ -86,7 +86,7 @@ class WindowIndexMachine(RuleBasedStateMachine):
             key_pages[(salt, tuple(tokens[:(b + 1) * ps]))] = [pages[g][b] for g in
                                                                  range(self.groups)]
         taken, dropped = self.ix.insert(tokens, pages, salt)
-        self.seen.append(tokens)
+        self.seen.append((tokens, end, salt))
         self._apply(key_pages, taken, dropped)
         self.ops += 1
 
@@ -94,10 +94,10 @@ class WindowIndexMachine(RuleBasedStateMachine):
     def lookup(self, salt, data) -> None:
         ps = self.ps
         tokens = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=6 * ps))
-        if self.seen and data.draw(st.booleans()):  # most often: a cached prompt, then more
-            tokens = data.draw(st.sampled_from(self.seen))[:data.draw(
-                st.integers(1, 6 * ps))] + tokens
         limit = data.draw(st.integers(0, len(tokens)))
+        if self.seen and data.draw(st.booleans()):  # a cached prompt to its window's end
+            seen, end, salt = data.draw(st.sampled_from(self.seen))
+            tokens, limit = seen[:end * ps] + tokens, end * ps
         hit = self.ix.match(tokens, salt, max_tokens=limit)
         HITS.append(hit.num_tokens > 0)
         assert isinstance(hit, GroupHit) and hit.num_tokens <= limit
@@ -148,7 +148,7 @@ class WindowIndexMachine(RuleBasedStateMachine):
         pages = self.ix.clear()
         assert [sorted(p) for p in pages] == [
             sorted(v[g] for v in self.model.values() if v[g] >= 0) for g in range(self.groups)]
-        self.model = {}
+        self.model, self.seen = {}, []
 
     @invariant()
     def index_names_the_models_pages(self) -> None:
@@ -175,7 +175,7 @@ def test_window_index_state_machine() -> None:
         max_examples=150, stateful_step_count=50, deadline=None,
         suppress_health_check=list(HealthCheck)))
     assert sum(total) >= 1_000, sum(total)
-    assert sum(HITS) >= len(HITS) // 20, (sum(HITS), len(HITS))  # lookups are served
+    assert sum(HITS) >= 100, (sum(HITS), len(HITS))  # lookups are served, often
 
 
 def test_the_docstring_example_hits_where_every_window_is_whole() -> None:

@@ -247,11 +247,16 @@ def window_group_pages(window: int, page_size: int, max_seqs: int, max_len: int,
 def prefix_index_pages(layer_windows: tuple[int | None, ...], page_size: int, max_seqs: int,
                        max_len: int) -> int:
     """The default :func:`create` ``index_pages`` when an engine keeps a prefix cache: the
-    window pages of ``max_seqs`` cached prefix ends in the largest window (one window tail a
-    row), so a prompt served again, a conversation's next turn or a shared system prompt
-    finds its window layers' keys; each window group grows by this many pages."""
+    window pages of one whole row (every page a prompt of ``max_len`` tokens held at some
+    prefill chunk's end, so a later prompt that shares any prefix of it, a system prompt,
+    finds the window layers' keys where it diverges) plus a window tail in the largest window
+    per four rows (prompts served again, conversations' next turns). Least recently used
+    pages go first past it, and a hit keeps its pages recently used."""
     windows = [w for w in layer_windows if w is not None]
-    return max_seqs * window_pages_per_row(max(windows), page_size, 1, max_len) if windows else 0
+    if not windows:
+        return 0
+    tails = cdiv(max_seqs, 4) * window_pages_per_row(max(windows), page_size, 1, max_len)
+    return cdiv(max_len, page_size) + tails
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,

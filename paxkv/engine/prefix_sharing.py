@@ -157,12 +157,17 @@ class WindowPrefixes(SharedPrefixes):
         if not reqs:
             return
         tables = page_holds.group_block_tables(self.ops.cache)  # [groups, max_seqs, width]
+        taken: list[list[int]] = [[] for _ in tables]
+        dropped: list[list[int]] = [[] for _ in tables]
         for r in reqs:
             full = r.cached // self.page_size
-            taken, dropped = self.index.insert(r.tokens[:full * self.page_size],
-                                               tables[:, r.row, :full], r.salt)
-            self.ops.retain_groups(taken, 1)
-            self.ops.retain_groups(dropped, -1)
+            took, drop = self.index.insert(r.tokens[:full * self.page_size],
+                                           tables[:, r.row, :full], r.salt)
+            for g in range(len(tables)):
+                taken[g] += took[g]
+                dropped[g] += drop[g]
+        self.ops.retain_groups(taken, 1)  # before the drops: a page may be taken and dropped
+        self.ops.retain_groups(dropped, -1)
 
     def evict(self, num: int, protect: Sequence[int] = (), shard: int = 0) -> None:
         if not len(self.index):
