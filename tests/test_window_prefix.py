@@ -208,10 +208,22 @@ def test_a_window_group_never_holds_more_than_its_budget() -> None:
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 
 
-def _serve(lm, prompts, **kw):
+def _serve(lm, prompts, poisoned: bool = False, **kw):
+    """Each prompt alone through one engine; ``poisoned``: on a grouped cache whose pages
+    start as NaN and are never scrubbed (a read of a page a row does not hold, a sentinel
+    included, would poison its tokens)."""
     import paxkv  # noqa: PLC0415
-    engine = paxkv.Engine(lm, max_seqs=4, max_len=96, page_size=4, prefill_chunk=8,
-                          prefill_tokens=16, **kw)
+    from paxkv.cache import grouped  # noqa: PLC0415
+
+    sizes = dict(max_seqs=4, max_len=96, page_size=4)
+    if poisoned:
+        index = grouped.prefix_index_pages(lm.layer_windows, **sizes)
+        kw["cache"] = grouped.create(
+            num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
+            num_pages=kw.pop("num_pages", 96), layer_windows=lm.layer_windows, step_tokens=16,
+            index_pages=index if kw.get("prefix_cache", True) else 0, fill=float("nan"),
+            scrub=False, **sizes)
+    engine = paxkv.Engine(lm, prefill_chunk=8, prefill_tokens=16, **sizes, **kw)
     out = []
     for p in prompts:
         rid = engine.submit(p, max_new_tokens=6, stop_token_ids=[])
@@ -222,17 +234,18 @@ def _serve(lm, prompts, **kw):
 @pytest.mark.parametrize("windows", [(6, None, 5), (6, 6)])
 def test_a_shared_system_prompt_hits_through_window_layers(windows) -> None:
     """A 30-token system prompt, then suffixes past the window: each later request hits the
-    whole system prompt's pages and more (its window pages were indexed at a prefill chunk's
+    system prompt's 7 whole pages (its window pages were indexed at a prefill chunk's
     end before they slid out), with the tokens of an engine without a prefix cache; every
-    window group keeps at most its budget; every page is back after the clear. (6, 6): a
-    model whose every layer slides (no global group)."""
+    window group keeps at most its budget; every page is back after the clear; NaN in every
+    page at the start, never scrubbed, reaches no token. (6, 6): a model whose every layer
+    slides (no global group)."""
     from tiny import tiny_lm  # noqa: PLC0415
 
     lm = tiny_lm(scale=1.0, windows=windows)
     system = list(range(10, 40))
     prompts = [system + [50 + i] * (7 + 2 * i) for i in range(4)]
     plain, want = _serve(lm, prompts, prefix_cache=False)
-    engine, got = _serve(lm, prompts)
+    engine, got = _serve(lm, prompts, poisoned=True)
     assert got == want
     stats = engine.stats()
     assert stats.prefix_hit_tokens >= 3 * 28, stats.prefix_hit_tokens  # 7 pages each at least
@@ -255,7 +268,7 @@ def test_admission_evicts_cached_pages_of_a_window_model_for_room() -> None:
     prompts = [rng.integers(1, 200, 40).tolist() for _ in range(5)]
     prompts.append(prompts[4][:36] + [3, 4, 5])
     _, want = _serve(lm, prompts, prefix_cache=False, num_pages=20)
-    engine, got = _serve(lm, prompts, num_pages=20)
+    engine, got = _serve(lm, prompts, num_pages=20, poisoned=True)
     assert got == want
     stats = engine.stats()
     assert stats.evictions > 0 and stats.prefix_hit_tokens > 0
