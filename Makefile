@@ -18,13 +18,13 @@ $(VENV)/.testing: $(VENV)/.runtime
 	$(PY) -m pip install -q -e '.[test,oracle,eval]'
 	touch $@
 
-# The demo keeps JAX's persistent compilation cache in .jax_cache/: a second run loads its
-# compiled steps instead of compiling them (README, "Compile once"). The tests keep theirs
+# The demo uses paxkv's persistent compilation cache (~/.cache/paxkv/jax): a second run loads
+# its compiled steps instead of compiling them (README, "Compile once"). The tests keep theirs
 # under pytest's cache dir (tests/conftest.py): a second `make test-fast` loads most steps.
 # (A worker's segfault inside XLA's compile, once blamed on the cache's write, was the process
 # running out of memory mappings: tests/conftest.py bounds them; experiments/LOG.md, 12-02.)
 demo: $(VENV)/.runtime
-	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache $(PY) -m experiments.demo
+	$(PY) -m experiments.demo
 
 # The tests run in two passes of two workers (one per core here; a file's tests stay on one
 # worker, sharing its compiles; files holding a long test start first: tests/conftest.py).

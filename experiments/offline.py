@@ -26,6 +26,7 @@ import os
 import sys
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from paxkv import models
@@ -170,8 +171,8 @@ def offline(lm, args) -> dict[str, Any]:
               f"= {r['cold_tok_s'] / r['tok_s']:.2f}x the second and "
               f"{r['cold_tok_s'] / hf['tok_s']:.2f}x HF; {r['cold_compile_s']:.1f} s compiling "
               f"{sum(variants.values())} step variants ({variants}); second pass "
-              f"{r['warm_compile_s']:.1f} s. JAX_COMPILATION_CACHE_DIR="
-              f"{os.environ.get('JAX_COMPILATION_CACHE_DIR', '(unset)')}")
+              f"{r['warm_compile_s']:.1f} s. Persistent compilation cache: "
+              f"{jax.config.jax_compilation_cache_dir or '(off)'}")
     print("peers measured on this machine: HF static 42 tok/s, HF paged continuous batching "
           "19, llama.cpp 52")
     return dict(prompt_source=f"pydoc_data.topics (CPython {sys.version.split()[0]}), topics "

@@ -205,11 +205,12 @@ def test_chat_template_matches_the_hf_backend(hf, paxkv_lm):
 
 # -- a sliding-window family through the backend (no default model) ----------------------------
 @pytest.mark.oracle
-def test_the_backend_scores_a_gemma3_folder_as_hf_does(tmp_path):
+def test_the_backend_scores_a_gemma3_folder_as_hf_does(tmp_path, caplog):
     """``--model paxkv`` on a Gemma 3 checkpoint folder (a tiny random ``gemma3_text``, 5
     window layers of 16 tokens : 1 global, with a character tokenizer saved beside it):
     log-likelihoods of continuations after contexts 4-5 windows long, and a rolling
-    log-likelihood over 6 windows, equal HF's own float32 log-probabilities within 1e-4."""
+    log-likelihood over 6 windows, equal HF's own float32 log-probabilities within 1e-4;
+    each call logs the compiles it paid."""
     pytest.importorskip("transformers")
     import tokenizers  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -232,7 +233,12 @@ def test_the_backend_scores_a_gemma3_folder_as_hf_does(tmp_path):
     assert backend.lm.layer_windows == (16, 16, 16, 16, 16, None)
     context = "the quick brown fox jumps over the lazy dog, then naps in the warm sun."
     pairs = [(context, " it sleeps."), (context[:64], " by the river"), (context, " x")]
-    got = backend.loglikelihood([_request("loglikelihood", p) for p in pairs])
+    with caplog.at_level("INFO", logger="lm_eval.paxkv"):
+        got = backend.loglikelihood([_request("loglikelihood", p) for p in pairs])
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "lm_eval.paxkv"]
+    assert line.startswith("paxkv loglikelihood: ") and "persistent cache" in line
+    c = backend.compile_stats
+    assert c.compiles + c.cache_loads > 0 and f"{c.compiles} compiles" in line
     text = "a long walk by the sea, under grey skies, with gulls over the cold waves."
     (rolling,) = backend.loglikelihood_rolling([_request("loglikelihood_rolling", (text,))])
 

@@ -40,6 +40,7 @@ from paxkv.cache import dense as dense_cache
 from paxkv.cache import grouped
 from paxkv.cache import paged as paged_cache
 from paxkv.core.buckets import cdiv, prefix_bucket
+from paxkv.core.compiles import use_persistent_cache
 from paxkv.core.plan import NO_PLAN, AttentionPlan
 from paxkv.core.protocol import KVCache, check_model, shard_free_pages
 from paxkv.core.sampling import SamplingParams
@@ -258,7 +259,8 @@ def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: 
                 early_stopping: bool | str = False, stop_token_ids: Sequence[int] | None = None,
                 cache: str = "paged", page_size: int = 16, prompts_per_batch: int | None = None,
                 attention_impl: str = "auto", kv_dtype: Any = jnp.float32,
-                mesh: Mesh | None = None) -> list[list[Beam]]:
+                mesh: Mesh | None = None,
+                compile_cache: str | bool | None = None) -> list[list[Beam]]:
     """Beam search, HF-``generate(num_beams=beam_width)``-compatible, in one compiled loop.
 
     Args:
@@ -276,11 +278,13 @@ def beam_search(lm: Any, prompts: Sequence[str | Sequence[int]], *, beam_width: 
       mesh: a ``("data", "model")`` mesh (:func:`paxkv.scale.mesh.make_mesh`) for the paged cache:
         each batch's prompts split over ``data`` (padded to a multiple of it with copies whose
         beams are dropped), kv heads and weights over ``model``. None: one device.
+      compile_cache: JAX's persistent compilation cache (:class:`paxkv.Engine`'s argument).
 
     Returns:
       Per prompt, its W best finished beams, best first.
     """
     _check(beam_width, max_new_tokens, early_stopping, cache, page_size, mesh)
+    use_persistent_cache(compile_cache)
     if isinstance(prompts, (str, bytes)):
         raise TypeError("prompts must be a list of strings or of token-id lists")
     ids = [prompt_ids(lm, x, f"prompt {i}") for i, x in enumerate(prompts)]  # no float ids

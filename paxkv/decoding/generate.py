@@ -65,7 +65,8 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]] | Any,
              max_seqs: int | None = None,
              max_len: int | None = None, loop: str = "python", attention_impl: str = "auto",
              kv_dtype: Any = jnp.float32, prefix_cache: bool | None = None,
-             mesh: Mesh | None = None) -> list[GenerationResult]:
+             mesh: Mesh | None = None,
+             compile_cache: str | bool | None = None) -> list[GenerationResult]:
     """Generates a continuation for every prompt.
 
     Args:
@@ -97,6 +98,8 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]] | Any,
       mesh: a ``("data", "model")`` mesh (:func:`paxkv.scale.mesh.make_mesh`): the paged cache's rows
         and pages split over ``data`` (``max_seqs`` and ``num_pages`` must divide by it), kv
         heads and weights over ``model``; see :class:`paxkv.Engine`. None: one device.
+      compile_cache: JAX's persistent compilation cache (default: on, in the user's cache
+        folder; a folder; False: off): see :class:`paxkv.Engine`.
 
     Returns:
       One :class:`paxkv.GenerationResult` per prompt, in order; ``num_cached_tokens`` counts
@@ -120,7 +123,7 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]] | Any,
     max_len = max_len or cdiv(longest, page_size) * page_size
     engine = Engine(lm, cache=cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
                     num_pages=num_pages, kv_dtype=kv_dtype, attention_impl=attention_impl,
-                    prefix_cache=prefix_cache, mesh=mesh)
+                    prefix_cache=prefix_cache, mesh=mesh, compile_cache=compile_cache)
     rids = [engine.submit(x, p) for x in ids]
     results = engine.run() if loop == "python" else run_fixed_batch(engine)
     return [results[r] for r in rids]

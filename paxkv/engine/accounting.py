@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from paxkv.cache.grouped import GroupedPagedCache
+from paxkv.core.compiles import CompileStats
 from paxkv.prefix.index import Hit
 from paxkv.scale.distributed import gather
 
@@ -111,6 +112,7 @@ class EngineStats:
         sliding-window layers and the cache releases their pages). The page fields above
         are group 0's, the group admission counts.
       sequences: per request id, the rows' :class:`SequenceStats`.
+      compiles: what the engine's calls paid for compiles (:mod:`paxkv.core.compiles`).
     """
 
     num_pages: int
@@ -137,6 +139,7 @@ class EngineStats:
     peak_kv_bytes_used: int
     groups: tuple[GroupStats, ...]
     sequences: dict[int, SequenceStats]
+    compiles: CompileStats = dataclasses.field(default_factory=CompileStats)
 
     @property
     def available_pages(self) -> int:
@@ -144,7 +147,8 @@ class EngineStats:
         return self.free_pages + self.reclaimable_pages
 
 
-def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> EngineStats:
+def engine_stats(ops: Any, table: Any, counters: Counters, index: Any,
+                 compiles: CompileStats | None = None) -> EngineStats:
     """The :class:`EngineStats` of an engine's parts now: ``ops`` (its
     :class:`~paxkv.engine.cache_ops.CacheOps`), ``table`` (its request table), ``index`` (its
     :class:`~paxkv.prefix.index.PrefixIndex` or None)."""
@@ -177,7 +181,8 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any) -> Engine
         kv_bytes_per_device=cache.kv_bytes_per_device,
         kv_bytes_used=kv_bytes_used(cache, used),
         peak_kv_bytes_used=max(ops.peak_kv_bytes, kv_bytes_used(cache, used)),
-        groups=group_stats(cache, used), sequences=seqs)
+        groups=group_stats(cache, used), sequences=seqs,
+        compiles=dataclasses.replace(compiles or CompileStats()))
 
 
 def reclaimable(index: Any) -> int:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from paxkv.cache.grouped import GroupedPagedCache
+from paxkv.core.compiles import CompileStats, metered, use_persistent_cache
 from paxkv.core.protocol import KVCache, check_model
 from paxkv.core.sampling import SamplingParams
 from paxkv.engine import accounting, policy
@@ -77,6 +78,10 @@ class Engine:
         the weights split over ``model`` (:func:`paxkv.engine.setup.place_model`). None: one
         device. Across processes (:func:`paxkv.scale.distributed.process_mesh`): every process
         builds the same engine and makes the same calls in the same order.
+      compile_cache: JAX's persistent compilation cache, so a new process loads the steps an
+        earlier one compiled (:func:`paxkv.core.compiles.use_persistent_cache`): None, the
+        user's cache folder (``$PAXKV_COMPILE_CACHE`` moves it or, "off", turns it off); a
+        folder; False: off. A cache you configured in JAX stays yours.
     """
 
     def __init__(self, model: Any, *, cache: str | KVCache = "paged",
@@ -85,8 +90,11 @@ class Engine:
                  attention_impl: str = "auto",
                  prefill_chunk: int = 512, prefill_tokens: int = 4096, scrub: bool = True,
                  prefix_cache: bool | None = None, growth: Growth | None = None,
-                 shapes: Shapes | None = None, mesh: Mesh | None = None):
+                 shapes: Shapes | None = None, mesh: Mesh | None = None,
+                 compile_cache: str | bool | None = None):
         check_model(model)
+        self.compile_cache = use_persistent_cache(compile_cache)  # before the first compile
+        self.compile_stats = CompileStats()
         kv = build_cache(model, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
                          num_pages=num_pages, kv_dtype=kv_dtype,
                          attention_impl=attention_impl, scrub=scrub, mesh=mesh,
@@ -164,6 +172,7 @@ class Engine:
         self.table.requests[rid].is_prefix = True
         return rid
 
+    @metered
     def fork(self, request_id: int, n: int, params: SamplingParams | None = None, *,
              max_new_tokens: int | None = None, temperature: float | None = None,
              top_k: int | None = None, top_p: float | None = None,
@@ -181,6 +190,7 @@ class Engine:
                               top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids)
         return self.lifecycle.fork(request_id, n, p, hold=hold)
 
+    @metered
     def cancel(self, request_id: int) -> None:
         """Stops a request now (and its samples); a running or held one releases its row in
         this call: pages nobody else holds are free at once (full prompt pages the prefix
@@ -191,6 +201,7 @@ class Engine:
     def has_work(self) -> bool:
         return self.table.has_work()
 
+    @metered
     def step(self) -> StepOutput:
         """One iteration (see :mod:`paxkv.engine.scheduler`): the tokens each request generated and
         the requests now done (handed out here once, then dropped)."""
@@ -218,16 +229,21 @@ class Engine:
         return self.table.result(req, getattr(self.model, "decode", None))
 
     # -- sharing and accounting -----------------------------------------------------------
+    @metered
     def clear_prefix_cache(self) -> int:
         """Drops every cached page's index reference; returns how many pages the index held
         (those no running request holds are free at once)."""
         return 0 if self.prefixes is None else self.prefixes.clear()
 
+    @metered
     def stats(self) -> EngineStats:
-        """Pool, sharing and prefix-cache accounting now (see :class:`EngineStats`)."""
-        return accounting.engine_stats(self.ops, self.table, self.counters, self.prefixes)
+        """Pool, sharing and prefix-cache accounting now, and the compiles paid (see
+        :class:`EngineStats`)."""
+        return accounting.engine_stats(self.ops, self.table, self.counters, self.prefixes,
+                                       self.compile_stats)
 
     def reset_stats(self) -> None:
         """Zeroes the running totals and peaks (a timed run after a warm-up starts clean)."""
         self.counters.reset()
         self.ops.reset_counts()
+        self.compile_stats.reset()

@@ -17,6 +17,7 @@ in ``model_args``). Must not be imported by the rest of paxkv: importing it need
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -30,12 +31,14 @@ from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
                                   postprocess_generated_text)
 
 from paxkv import models
+from paxkv.core.compiles import OFF, CompileStats, metered, use_persistent_cache
 from paxkv.engine import Engine
 from paxkv.harness.stops import StopScan
 from paxkv.scoring import Scorer, ScoreResult, rolling_windows, scorer_for, truncate
 
 ARGS = ("pretrained", "batch_size", "max_batch_size", "device", "page_size", "kv_dtype",
-        "max_length", "cache", "share", "max_gen_toks")
+        "max_length", "cache", "share", "max_gen_toks", "compile_cache")
+LOG = logging.getLogger("lm_eval.paxkv")  # under lm-eval's logger: its level and handler
 DEFAULT_ROWS = 32
 _PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "tpu": "tpu"}
 
@@ -83,17 +86,25 @@ class PaxkvLM(TemplateLM):
         as the ``hf`` backend reads it).
       share: prefill each distinct context once and fork it (False: each pair alone).
       max_gen_toks: default generation length (the ``hf`` backend's 256).
+      compile_cache: JAX's persistent compilation cache (default: on, in the user's cache
+        folder, so a new lm-eval process loads the steps an earlier one compiled; a folder;
+        "off"): :func:`paxkv.core.compiles.use_persistent_cache`. Each call logs the
+        compiles it paid.
     """
 
     def __init__(self, pretrained: str | None = None, batch_size: Any = None,
                  max_batch_size: Any = None, device: Any = None, page_size: int = 16,
                  kv_dtype: str = "float32", max_length: int | None = None,
                  cache: str = "paged", share: bool = True, max_gen_toks: int = 256,
-                 **unknown: Any):
+                 compile_cache: Any = None, **unknown: Any):
         super().__init__()
         if unknown:
             raise ValueError(f"unknown model_args for paxkv: {', '.join(sorted(unknown))}; "
                              f"it accepts {', '.join(ARGS)}")
+        if isinstance(compile_cache, str) and compile_cache.strip().lower() in OFF:
+            compile_cache = False
+        self.compile_cache = use_persistent_cache(compile_cache)
+        self.compile_stats = CompileStats()  # every call's, summed
         self.lm = models.load(pretrained)
         self.tokenizer = self.lm.tokenizer
         self.rows = _rows(batch_size, max_batch_size)
@@ -158,16 +169,26 @@ class PaxkvLM(TemplateLM):
         if self.scorer is None or self.scorer.ops.max_len < need:
             self.scorer = scorer_for(self.lm, pairs, cache=self.cache_kind, share=self.share,
                                      page_size=self.page_size, max_seqs=self.rows,
-                                     kv_dtype=self.kv_dtype)
+                                     kv_dtype=self.kv_dtype,
+                                     compile_cache=self.compile_cache or False)
         return self.scorer.score(pairs)
 
+    def _log_compiles(self, call: str) -> None:
+        c = self.compile_stats
+        LOG.info("paxkv %s: %d compiles and %d loads from the persistent cache (%s) so far, "
+                 "%.1f s", call, c.compiles, c.cache_loads, self.compile_cache or "off",
+                 c.compile_seconds)
+
+    @metered
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False
                       ) -> list[tuple[float, bool]]:
         for req in requests:
             if not req.args[1]:
                 raise ValueError(f"an empty continuation cannot be scored (context "
                                  f"{req.args[0][-40:]!r}): give the task a non-empty choice")
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        out = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        self._log_compiles("loglikelihood")
+        return out
 
     def _loglikelihood_tokens(self, requests: list[Any], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
@@ -184,6 +205,7 @@ class PaxkvLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood", strings, answer)
         return out
 
+    @metered
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False
                               ) -> list[float]:
         windows, owner = [], []
@@ -197,9 +219,11 @@ class PaxkvLM(TemplateLM):
             totals[i] += r.logprob
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        self._log_compiles("loglikelihood_rolling")
         return totals
 
     # -- generation -----------------------------------------------------------------------
+    @metered
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled) continuations through the engine, each stopped as soon as its
         text holds a stop string (:class:`~paxkv.harness.stops.StopScan`: only the tail is
@@ -213,6 +237,7 @@ class PaxkvLM(TemplateLM):
             for i, text in zip(idx, texts):
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        self._log_compiles("generate_until")
         return out
 
     def _generate(self, contexts: list[str], gen_kwargs: dict) -> list[str]:
@@ -229,7 +254,8 @@ class PaxkvLM(TemplateLM):
         longest = max(map(len, prompts)) + max_new
         engine = Engine(self.lm, cache=self.cache_kind, max_seqs=self.rows,
                         max_len=-(-longest // self.page_size) * self.page_size,
-                        page_size=self.page_size, kv_dtype=self.kv_dtype)
+                        page_size=self.page_size, kv_dtype=self.kv_dtype,
+                        compile_cache=self.compile_cache or False)
         rids = [engine.submit(p, max_new_tokens=max_new, temperature=temperature,
                               seed=int(kwargs.get("seed", 0) or 0)) for p in prompts]
         tokens: dict[int, list[int]] = {r: [] for r in rids}

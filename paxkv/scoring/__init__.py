@@ -48,7 +48,7 @@ KV_BUDGET_BYTES = 2 << 30
 def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: bool = True,
                page_size: int = 16, max_seqs: int | None = None, num_pages: int | None = None,
                kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
-               mesh: Mesh | None = None) -> Scorer:
+               mesh: Mesh | None = None, compile_cache: str | bool | None = None) -> Scorer:
     """A :class:`Scorer` whose rows hold the longest of ``pairs`` (rounded up to a power of
     two >= 128, so workloads of similar lengths share compiled steps). Without ``num_pages``
     the pool is ``max_seqs`` full rows or :data:`KV_BUDGET_BYTES`, whichever is smaller (a
@@ -72,14 +72,15 @@ def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: b
         num_pages = data * max(row_pages, pages // data)
     return Scorer(lm, cache=cache, share=share, max_seqs=max_seqs, max_len=max_len,
                   page_size=page_size, num_pages=num_pages, kv_dtype=kv_dtype,
-                  attention_impl=attention_impl, mesh=mesh)
+                  attention_impl=attention_impl, mesh=mesh, compile_cache=compile_cache)
 
 
 def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
           share: bool = True, page_size: int = 16, max_seqs: int | None = None,
           num_pages: int | None = None, kv_dtype: Any = jnp.float32,
           max_length: int | None = None, attention_impl: str = "auto",
-          mesh: Mesh | None = None) -> list[ScoreResult]:
+          mesh: Mesh | None = None,
+          compile_cache: str | bool | None = None) -> list[ScoreResult]:
     """Log-likelihood of each continuation given its context.
 
     Args:
@@ -100,6 +101,8 @@ def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
         rows and pages split over ``data`` (``max_seqs`` and ``num_pages`` must divide by it),
         each context with its continuations in one shard; kv heads and weights over
         ``model``. Contexts fork but share no pages across contexts there. None: one device.
+      compile_cache: JAX's persistent compilation cache (default: on, in the user's cache
+        folder; a folder; False: off): see :class:`paxkv.Engine`.
 
     Returns:
       One :class:`ScoreResult` per request, in order. Every page is free again afterwards.
@@ -109,7 +112,7 @@ def score(lm: Any, requests: Sequence[tuple[Any, Any]], *, cache: str = "paged",
         return []
     scorer = scorer_for(lm, pairs, cache=cache, share=share, page_size=page_size,
                         max_seqs=max_seqs, num_pages=num_pages, kv_dtype=kv_dtype,
-                        attention_impl=attention_impl, mesh=mesh)
+                        attention_impl=attention_impl, mesh=mesh, compile_cache=compile_cache)
     return scorer.score(pairs)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from paxkv.core.compiles import CompileStats
+
 
 @dataclasses.dataclass(frozen=True)
 class ScoreResult:
@@ -27,7 +29,8 @@ class ScoreStats:
 
     ``prefill_tokens`` (context tokens fed) + ``scored_tokens`` (continuation tokens fed) =
     ``model_tokens``; ``cached_tokens``: context tokens served by the prefix cache instead;
-    ``padded_tokens``: batch x width of every step (the work, padding included)."""
+    ``padded_tokens``: batch x width of every step (the work, padding included);
+    ``compiles``: what the calls paid for compiles (:mod:`paxkv.core.compiles`)."""
 
     requests: int = 0
     contexts: int = 0
@@ -39,6 +42,7 @@ class ScoreStats:
     forks: int = 0
     cow_copies: int = 0
     peak_pages: int = 0
+    compiles: CompileStats = dataclasses.field(default_factory=CompileStats)
 
     @property
     def model_tokens(self) -> int:

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from paxkv.core import plan as attention_plan
+from paxkv.core.compiles import CompileStats, metered, use_persistent_cache
 from paxkv.core.protocol import check_model
 from paxkv.engine import policy
 from paxkv.engine import routing as shard_routing
@@ -58,6 +59,7 @@ class Scorer:
       mesh: a ``("data", "model")`` mesh for the paged cache (:func:`paxkv.engine.setup.
         build_cache`): each context and its continuations share pages in one data shard
         (:func:`paxkv.engine.routing.pick_shard`); no prefix index across contexts there.
+      compile_cache: JAX's persistent compilation cache (:class:`paxkv.Engine`'s argument).
     """
 
     def __init__(self, lm: Any, *, cache: str = "paged", share: bool = True,
@@ -65,8 +67,9 @@ class Scorer:
                  num_pages: int | None = None, kv_dtype: Any = jnp.float32,
                  attention_impl: str = "auto", prefill_chunk: int = 512,
                  prefill_tokens: int = 4096, score_tokens: int = 2048,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, compile_cache: str | bool | None = None):
         check_model(lm)
+        self.compile_cache = use_persistent_cache(compile_cache)  # before the first compile
         if not isinstance(max_seqs, int) or max_seqs < 1:
             raise ValueError(f"max_seqs must be an int >= 1, got {max_seqs!r}")
         if cache not in ("paged", "dense"):
@@ -90,10 +93,16 @@ class Scorer:
         """The cache as of the last operation (replaced by every step: do not keep it)."""
         return self.ops.cache
 
+    @property
+    def compile_stats(self) -> CompileStats:
+        """The compiles the calls paid since the last :meth:`reset_stats`."""
+        return self.stats.compiles
+
     def reset_stats(self) -> None:
         self.stats = ScoreStats()
 
     # -- the whole call -------------------------------------------------------------------
+    @metered
     def score(self, pairs: Sequence[Pair]) -> list[ScoreResult]:
         """Scores token pairs (:func:`paxkv.scoring.requests.token_pairs`), in order."""
         self._check_fits(pairs)

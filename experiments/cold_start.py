@@ -1,0 +1,115 @@
+"""A user's first call in a new process: with JAX's persistent compilation cache empty, with it
+populated by an earlier process, and the same call again in a warm process.
+
+    python -m experiments.cold_start            # the default model: generate and score
+    python -m experiments.cold_start --quick    # fewer, shorter requests
+
+Each process runs in a fresh interpreter with its own cache folder (``PAXKV_COMPILE_CACHE``,
+:mod:`paxkv.core.compiles`; ``JAX_COMPILATION_CACHE_DIR`` unset), loads the default model
+(untimed), then times one call twice: the first pays the compiles, the second is warm. The
+first process meets an empty folder; a second process meets what the first wrote. Calls:
+
+* ``generate``: prompts of real English prose (``pydoc_data.topics``), greedy, EOS ignored;
+* ``score``: (context, continuation) pairs of the same prose, two continuations a context.
+
+Reported per call and process: wall seconds, XLA compiles, persistent-cache loads, seconds
+compiling or loading (``stats().compiles``); the first call against the warm one; tokens and
+log-likelihoods equal in every variant. Writes ``results/cold_start.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from experiments import common
+
+
+def child(args: Any) -> dict[str, Any]:
+    """One process: the model, then each call twice (run with ``--child``)."""
+    import paxkv
+    from paxkv import models
+
+    lm = models.load()
+    prompts = common.english_prompts(lm, args.prompts, args.lo, args.hi, seed=5)
+    pairs = [(tuple(p[:-k]), tuple(p[-k:])) for p in prompts for k in (3, 7)]
+    out: dict[str, Any] = {}
+    for name in ("generate", "score"):
+        runs = []
+        for _ in range(2):
+            start = time.perf_counter()
+            if name == "generate":
+                engine = paxkv.Engine(lm, max_seqs=args.prompts, max_len=args.hi + args.new)
+                ids = [engine.submit(p, max_new_tokens=args.new, stop_token_ids=[])
+                       for p in prompts]
+                done = engine.run()
+                answer = [done[i].token_ids for i in ids]
+                stats = engine.stats().compiles
+            else:
+                scorer = paxkv.scoring.scorer_for(lm, pairs)
+                answer = [r.logprob for r in scorer.score(pairs)]
+                stats = scorer.stats.compiles
+            runs.append(dict(seconds=time.perf_counter() - start, compiles=stats.compiles,
+                             loads=stats.cache_loads, compile_s=stats.compile_seconds,
+                             answer=answer))
+        out[name] = runs
+    return out
+
+
+def spawn(folder: str, argv: list[str]) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["PAXKV_COMPILE_CACHE"] = folder
+    done = subprocess.run([sys.executable, "-m", "experiments.cold_start", "--child", *argv],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--child", action="store_true", help=argparse_hidden())
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--lo", type=int, default=None)
+    ap.add_argument("--hi", type=int, default=None)
+    ap.add_argument("--new", type=int, default=None)
+    args = common.fill_defaults(ap.parse_args(), quick=dict(prompts=4, lo=40, hi=80, new=8),
+                                full=dict(prompts=16, lo=100, hi=300, new=32))
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    argv = [f"--{k}={getattr(args, k)}" for k in ("prompts", "lo", "hi", "new")]
+    with tempfile.TemporaryDirectory() as folder:
+        empty, populated = spawn(folder, argv), spawn(folder, argv)
+    rows, table, equal = [], [], True
+    for call in ("generate", "score"):
+        warm = min(empty[call][1]["seconds"], populated[call][1]["seconds"])
+        for label, run in (("new process, empty cache", empty[call][0]),
+                           ("new process, cache populated", populated[call][0]),
+                           ("warm (second call)", populated[call][1])):
+            equal &= run["answer"] == empty[call][0]["answer"]
+            rows.append(dict(call=call, variant=label, warm_vs_this=warm / run["seconds"],
+                             **{k: v for k, v in run.items() if k != "answer"}))
+            table.append([call, label, f"{run['seconds']:.2f}", str(run["compiles"]),
+                          str(run["loads"]), f"{run['compile_s']:.2f}",
+                          f"{warm / run['seconds']:.2f}"])
+    common.print_table(["call", "process", "wall s", "compiles", "cache loads",
+                        "compile / load s", "warm / this (speed)"], table)
+    print(f"answers equal in every variant: {equal}")
+    common.finish(common.result_name("cold_start", args.quick),
+                  common.record(vars(args), dict(rows=rows, answers_equal=equal)), equal)
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
