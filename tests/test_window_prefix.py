@@ -308,3 +308,16 @@ def test_attach_from_a_first_block_holds_only_the_window_pages() -> None:
     pages = pages.at[1, 0, 2].set(2).at[1, 0, 1].set(-1)
     after, ok = cache.attach(jnp.array([1]), pages, jnp.array([10]), jnp.array([[0], [2]]))
     assert bool(ok[0]) and after.tables[1].block_tables[1].tolist()[:3] == [6, 6, 2]
+
+
+def test_eviction_reads_only_the_live_blocks() -> None:
+    """Block ids are never reused; what eviction reads is sized by the blocks the index holds
+    now, not by every block it ever made (a long-running engine's admissions stay O(index))."""
+    ix = WindowPrefixIndex(2, (None, 4), budget=4)
+    for i in range(200):
+        ix.insert([i, i + 1, 7, 7], [[2 * i, 2 * i + 1], [-1, 500 + i]])
+        refs = [np.ones(400, np.int64), np.ones(800, np.int64)]
+        ix.evict(2, refs)
+    assert len(ix) == 0 and len(ix._node_refs(np.ones(400, np.int64))) == 0
+    ix.insert([1, 2, 3, 4], [[0, 1], [-1, 9]])
+    assert len(ix._node_refs(np.ones(400, np.int64))) == 2

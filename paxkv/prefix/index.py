@@ -248,7 +248,7 @@ class PrefixIndex:
         the index holds (``ref_counts[p] == 1``), not in ``protect``, with nothing below them
         in the tree that someone else holds or that is protected (a chain may continue in
         another sequence's page). The room eviction can make, without making it."""
-        refs, protect = np.asarray(ref_counts), set(int(p) for p in protect)
+        refs, protect = ref_counts, set(int(p) for p in protect)  # an array, or a mapping
         order, stack = [], list(self._roots.values())
         while stack:  # pre-order: each node before its children
             node = stack.pop()

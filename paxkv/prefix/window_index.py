@@ -212,14 +212,13 @@ class WindowPrefixIndex:
         for node in nodes:
             self._used[node] = (self._clock, self._used[node][1])
 
-    def _node_refs(self, refs: np.ndarray) -> np.ndarray:
-        """Per node id: 1 when its group-0 page has no holder but the index (what the
-        chain's eviction reads as "only the index"), else 2."""
-        out = np.full(self._next, 2, np.int64)
-        for node, held in self._held.items():
-            if held[0] >= 0 and int(refs[held[0]]) == 1:
-                out[node] = 1
-        return out
+    def _node_refs(self, refs: np.ndarray) -> dict[int, int]:
+        """Per live node id: 1 when its group-0 page has no holder but the index (what the
+        chain's eviction reads as "only the index"), else 2. A mapping over the live nodes:
+        ids are never reused, so an array over every id ever made would grow with the
+        engine's lifetime."""
+        return {node: 1 if held[0] >= 0 and int(refs[held[0]]) == 1 else 2
+                for node, held in self._held.items()}
 
     def _nodes(self, pages: set[int]) -> list[int]:
         return [self._owner[0][p] for p in pages if p in self._owner[0]]
