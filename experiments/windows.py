@@ -49,7 +49,7 @@ import paxkv
 from experiments import common
 from experiments.accounting import CompileClock
 from paxkv.cache import dense as dense_cache
-from paxkv.cache import grouped
+from paxkv.cache import grouped, layer_groups
 from paxkv.cache import paged as paged_cache
 from paxkv.core.buckets import cdiv
 from paxkv.engine.policy import most_prefill_rows
@@ -76,7 +76,7 @@ def gemma3_shaped(args: Any) -> LanguageModel:
 
 def caches(lm: LanguageModel, args: Any) -> dict[str, Any]:
     """The three systems' caches from one byte budget. The released system gets the most rows
-    whose window groups (:func:`paxkv.cache.grouped.window_group_pages`) leave the global
+    whose window groups (:func:`paxkv.cache.layer_groups.window_group_pages`) leave the global
     layers room for that many whole contexts."""
     ps, max_len, layers, windows = args.page_size, args.max_len, lm.num_layers, lm.layer_windows
     dims = dict(num_layers=layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
@@ -87,8 +87,8 @@ def caches(lm: LanguageModel, args: Any) -> dict[str, Any]:
     step_rows = most_prefill_rows(args.prefill_chunk, args.prefill_tokens)
 
     def split(rows: int) -> tuple[int, int]:  # (window pages a layer, global pages a layer)
-        window = grouped.window_group_pages(args.window, ps, rows, max_len, args.prefill_tokens,
-                                            step_rows)
+        window = layer_groups.window_group_pages(args.window, ps, rows, max_len,
+                                                 args.prefill_tokens, step_rows)
         return window, (layer_pages - (layers - num_global) * (window + 1)) // num_global - 1
 
     rows = max(r for r in range(1, 8 * args.budget_seqs * layers)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv.cache import grouped
+from paxkv.cache import grouped, layer_groups
 from paxkv.cache import paged as paged_cache
 from paxkv.cache.layer_groups import LayerGroups
 from paxkv.core.step_info import StepInfo
@@ -87,7 +87,7 @@ def _assert_window_groups_hold_at_most_their_bound(cache):
         if window is None:
             continue
         held = np.asarray(pt.pages_referenced(table))
-        bound = grouped.window_pages_per_row(window, PAGE, STEP, MAX_LEN)
+        bound = layer_groups.window_pages_per_row(window, PAGE, STEP, MAX_LEN)
         assert held.max() <= bound, (window, held, bound)
         refs = np.zeros(table.num_pages, np.int64)  # a recount of the cells: no leak
         for cell in np.asarray(table.block_tables).ravel():
@@ -125,7 +125,7 @@ def test_grouped_cache_equals_the_whole_cache_and_keeps_only_window_pages():
 def test_window_pages_are_released_in_the_step_and_reused_by_the_next_reservation():
     """One row decoding far past its window through a window group of exactly the bound: it
     runs only if each jitted step's reservation gets the pages the window left behind."""
-    bound = grouped.window_pages_per_row(3, PAGE, 1, MAX_LEN)
+    bound = layer_groups.window_pages_per_row(3, PAGE, 1, MAX_LEN)
     cache = grouped.create(num_layers=2, num_kv_heads=1, head_dim=8, page_size=PAGE,
                            max_seqs=1, max_len=MAX_LEN, layer_windows=(None, 3),
                            num_pages=MAX_LEN // PAGE, step_tokens=1, window_pages=bound)

@@ -213,11 +213,11 @@ def _serve(lm, prompts, poisoned: bool = False, **kw):
     start as NaN and are never scrubbed (a read of a page a row does not hold, a sentinel
     included, would poison its tokens)."""
     import paxkv  # noqa: PLC0415
-    from paxkv.cache import grouped  # noqa: PLC0415
+    from paxkv.cache import grouped, layer_groups  # noqa: PLC0415
 
     sizes = dict(max_seqs=4, max_len=96, page_size=4)
     if poisoned:
-        index = grouped.prefix_index_pages(lm.layer_windows, **sizes)
+        index = layer_groups.prefix_index_pages(lm.layer_windows, **sizes)
         kw["cache"] = grouped.create(
             num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
             num_pages=kw.pop("num_pages", 96), layer_windows=lm.layer_windows, step_tokens=16,

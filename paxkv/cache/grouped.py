@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from paxkv.attention.blocks import check_windows, layer_window
 from paxkv.cache import pool as kv_pool
-from paxkv.cache.layer_groups import LayerGroups
+from paxkv.cache.layer_groups import LayerGroups, window_group_pages
 from paxkv.cache.paged import attend_pages, resolve_impl
 from paxkv.core.buckets import cdiv
 from paxkv.core.step_info import StepInfo
@@ -224,41 +224,6 @@ class GroupedPagedCache:
         return dataclasses.replace(self, pool=pool), out
 
 
-def window_pages_per_row(window: int, page_size: int, step_tokens: int, max_len: int) -> int:
-    """Pages a window group's row holds at most while it adds ``step_tokens`` in one step: the
-    ``window - 1`` keys before its first query plus those tokens, on ``ceil(. / page) + 1``
-    pages (the keys need not start at a page edge), at most a whole row."""
-    return min(cdiv(window - 1 + step_tokens, page_size) + 1, cdiv(max_len, page_size))
-
-
-def window_group_pages(window: int, page_size: int, max_seqs: int, max_len: int,
-                       step_tokens: int, step_rows: int | None = None) -> int:
-    """Pages a window group needs so that no row ever waits for them: every row decoding
-    (``ceil(w / page) + 1`` pages each) while at most ``step_rows`` rows (default: all) add
-    ``step_tokens`` tokens between them in one step; a row adding ``t`` holds at most
-    ``ceil((t - 1) / page)`` pages more than decoding, so together at most
-    ``ceil(step_tokens / page)`` plus one rounding a row."""
-    per_row = window_pages_per_row(window, page_size, 1, max_len)
-    rows = max_seqs if step_rows is None else min(max_seqs, step_rows)
-    extra = cdiv(step_tokens, page_size) + min(rows, step_tokens)
-    return min(max_seqs * per_row + extra, max_seqs * cdiv(max_len, page_size))
-
-
-def prefix_index_pages(layer_windows: tuple[int | None, ...], page_size: int, max_seqs: int,
-                       max_len: int) -> int:
-    """The default :func:`create` ``index_pages`` when an engine keeps a prefix cache: the
-    window pages of one whole row (every page a prompt of ``max_len`` tokens held at some
-    prefill chunk's end, so a later prompt that shares any prefix of it, a system prompt,
-    finds the window layers' keys where it diverges) plus a window tail in the largest window
-    per four rows (prompts served again, conversations' next turns). Least recently used
-    pages go first past it, and a hit keeps its pages recently used."""
-    windows = [w for w in layer_windows if w is not None]
-    if not windows:
-        return 0
-    tails = cdiv(max_seqs, 4) * window_pages_per_row(max(windows), page_size, 1, max_len)
-    return cdiv(max_len, page_size) + tails
-
-
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
            page_size: int, max_seqs: int, max_len: int,
            layer_windows: tuple[int | None, ...], step_tokens: int = 4096,
@@ -277,7 +242,7 @@ def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
         engine's prefill call: :func:`paxkv.engine.policy.most_prefill_rows`; default all).
       window_pages: override of that size, for every window group.
       index_pages: pages added to every window group past group 0 for a prefix index to
-        hold (:func:`prefix_index_pages`; 0: the index keeps no window page, so a model with
+        hold (:func:`paxkv.cache.layer_groups.prefix_index_pages`; 0: the index keeps no window page, so a model with
         a window group never hits).
       dtype, scrub, fill, attention_impl: as :func:`paxkv.cache.paged.create`.
     """

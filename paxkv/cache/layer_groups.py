@@ -7,13 +7,17 @@ pages lie in the layer-grouped cache's flat pool (:mod:`paxkv.cache.grouped`)::
     flat page axis: [ layer 1 | layer 3 | layer 0 | layer 2 ]   each range's sentinel last
 
 Static (hashable): it rides on the cache as a pytree meta field, so every size here is a
-Python int at trace time.
+Python int at trace time. How many pages each window group needs (for its rows, and for a
+prefix index's holds) is sized here too: :func:`window_group_pages`,
+:func:`prefix_index_pages`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+
+from paxkv.core.buckets import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,3 +73,38 @@ class LayerGroups:
         windows = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
         members = tuple(tuple(i for i, w in enumerate(layer_windows) if w == g) for g in windows)
         return LayerGroups(tuple(windows), members, tuple(pages[w] for w in windows))
+
+
+def window_pages_per_row(window: int, page_size: int, step_tokens: int, max_len: int) -> int:
+    """Pages a window group's row holds at most while it adds ``step_tokens`` in one step: the
+    ``window - 1`` keys before its first query plus those tokens, on ``ceil(. / page) + 1``
+    pages (the keys need not start at a page edge), at most a whole row."""
+    return min(cdiv(window - 1 + step_tokens, page_size) + 1, cdiv(max_len, page_size))
+
+
+def window_group_pages(window: int, page_size: int, max_seqs: int, max_len: int,
+                       step_tokens: int, step_rows: int | None = None) -> int:
+    """Pages a window group needs so that no row ever waits for them: every row decoding
+    (``ceil(w / page) + 1`` pages each) while at most ``step_rows`` rows (default: all) add
+    ``step_tokens`` tokens between them in one step; a row adding ``t`` holds at most
+    ``ceil((t - 1) / page)`` pages more than decoding, so together at most
+    ``ceil(step_tokens / page)`` plus one rounding a row."""
+    per_row = window_pages_per_row(window, page_size, 1, max_len)
+    rows = max_seqs if step_rows is None else min(max_seqs, step_rows)
+    extra = cdiv(step_tokens, page_size) + min(rows, step_tokens)
+    return min(max_seqs * per_row + extra, max_seqs * cdiv(max_len, page_size))
+
+
+def prefix_index_pages(layer_windows: tuple[int | None, ...], page_size: int, max_seqs: int,
+                       max_len: int) -> int:
+    """The default :func:`create` ``index_pages`` when an engine keeps a prefix cache: the
+    window pages of one whole row (every page a prompt of ``max_len`` tokens held at some
+    prefill chunk's end, so a later prompt that shares any prefix of it, a system prompt,
+    finds the window layers' keys where it diverges) plus a window tail in the largest window
+    per four rows (prompts served again, conversations' next turns). Least recently used
+    pages go first past it, and a hit keeps its pages recently used."""
+    windows = [w for w in layer_windows if w is not None]
+    if not windows:
+        return 0
+    tails = cdiv(max_seqs, 4) * window_pages_per_row(max(windows), page_size, 1, max_len)
+    return cdiv(max_len, page_size) + tails

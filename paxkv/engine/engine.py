@@ -111,7 +111,7 @@ class Engine:
         if prefix_cache and blind:
             raise ValueError("this grouped cache keeps no page for a prefix index in its window "
                              "groups: build it with paxkv.cache.grouped.create(..., index_pages="
-                             "grouped.prefix_index_pages(...)) or pass prefix_cache=False")
+                             "paxkv.cache.layer_groups.prefix_index_pages(...)) or pass prefix_cache=False")
         use_index = kv.shares_pages and not blind if prefix_cache is None else prefix_cache
         kind = WindowPrefixes if isinstance(kv, GroupedPagedCache) else SharedPrefixes
         self.prefixes = kind(self.ops, kv.page_size) if use_index else None

@@ -86,7 +86,7 @@ def prefill_rows(width: int, prefill_tokens: int) -> int:
 
 def most_prefill_rows(prefill_chunk: int, prefill_tokens: int) -> int:
     """The most rows one prefill call can hold: :func:`prefill_rows` at the narrowest width
-    (what sizes a sliding-window group's pages: :func:`paxkv.cache.grouped.window_group_pages`)."""
+    (what sizes a sliding-window group's pages: :func:`paxkv.cache.layer_groups.window_group_pages`)."""
     return prefill_rows(min(MIN_PREFILL_WIDTH, prefill_chunk), prefill_tokens)
 
 

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from paxkv.attention.blocks import check_windows
 from paxkv.cache import dense as dense_cache
-from paxkv.cache import grouped
+from paxkv.cache import grouped, layer_groups
 from paxkv.cache import paged as paged_cache
 from paxkv.core import buckets
 from paxkv.core.protocol import KVCache
@@ -52,8 +52,8 @@ def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int | None, max_l
     rows), the layer-grouped cache
     whose window groups release their pages in the step (:mod:`paxkv.cache.grouped`;
     ``num_pages`` are then its global layers', and with ``prefix_cache`` each window group
-    holds :func:`paxkv.cache.grouped.prefix_index_pages` more for the index); on a mesh, or without ``step_tokens``, a
-    paged cache that keeps every layer's pages and applies the windows as masks."""
+    holds :func:`paxkv.cache.layer_groups.prefix_index_pages` more for the index); on a
+    mesh, or without ``step_tokens``, a paged cache that keeps every layer's pages and applies the windows as masks."""
     if isinstance(cache, KVCache):
         if mesh is not None:
             raise ValueError("mesh= builds the cache by name: pass cache='paged' with it (a "
@@ -72,8 +72,8 @@ def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int | None, max_l
         if mesh is not None:
             return sharded_cache.create(mesh=mesh, **paged)
         if step_tokens is not None and check_windows(dims["layer_windows"], model.num_layers):
-            index = (grouped.prefix_index_pages(dims["layer_windows"], page_size, max_seqs,
-                                                max_len) if prefix_cache else 0)
+            index = (layer_groups.prefix_index_pages(dims["layer_windows"], page_size,
+                                                     max_seqs, max_len) if prefix_cache else 0)
             return grouped.create(step_tokens=step_tokens, step_rows=step_rows,
                                   index_pages=index, **paged)
         return paged_cache.create(**paged)

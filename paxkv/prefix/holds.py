@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -91,15 +91,22 @@ def attach_groups(cache: GroupedPagedCache, row: int, pages: Sequence[Sequence[i
 def retain_groups(cache: GroupedPagedCache, pages: Sequence[Sequence[int]],
                   delta: int) -> GroupedPagedCache:
     """``cache`` with ``delta`` more references on each group's pages (``pages[g]``)."""
-    longest = max((len(p) for p in pages), default=0)
     past = max(cache.groups.num_pages) + 1  # past every group's pool: ignored
-    for start in range(0, longest, CHUNK):
-        chunks = [list(p[start:start + CHUNK]) for p in pages]
-        padded = np.full((len(chunks), buckets.pow2(max(map(len, chunks)), 8)), past, np.int32)
-        for g, chunk in enumerate(chunks):
-            padded[g, :len(chunk)] = chunk
+    for padded in _padded_chunks(pages, past):
         cache = retain_group_pages(cache, padded, delta=delta)
     return cache
+
+
+def _padded_chunks(pages: Sequence[Sequence[int]], fill: int) -> Iterator[np.ndarray]:
+    """int32 ``[len(pages), w]`` arrays of at most :data:`CHUNK` ids of each list, padded with
+    ``fill`` to a power of two >= 8 (few compiled widths)."""
+    longest = max((len(p) for p in pages), default=0)
+    for start in range(0, longest, CHUNK):
+        chunks = [list(p[start:start + CHUNK]) for p in pages]
+        padded = np.full((len(chunks), buckets.pow2(max(map(len, chunks)), 8)), fill, np.int32)
+        for i, chunk in enumerate(chunks):
+            padded[i, :len(chunk)] = chunk
+        yield padded
 
 
 def group_block_tables(cache: GroupedPagedCache) -> np.ndarray:
@@ -138,13 +145,7 @@ def attach(cache: Any, row: int, pages: Sequence[int], num_tokens: int) -> tuple
 def retain(cache: Any, pages_by_shard: Sequence[Sequence[int]], delta: int) -> Any:
     """``cache`` with ``delta`` more references on each shard's pages (``pages_by_shard[s]``:
     shard ``s``'s ids; a one-device cache takes one list)."""
-    longest = max((len(p) for p in pages_by_shard), default=0)
-    for start in range(0, longest, CHUNK):
-        chunks = [list(p[start:start + CHUNK]) for p in pages_by_shard]
-        padded = np.full((len(chunks), buckets.pow2(max(map(len, chunks)), 8)),
-                         cache.num_pages, np.int32)  # past the pool: ignored
-        for s, chunk in enumerate(chunks):
-            padded[s, :len(chunk)] = chunk
+    for padded in _padded_chunks(pages_by_shard, cache.num_pages):  # past the pool: ignored
         if isinstance(cache, ShardedPagedCache):
             cache = retain_shard_pages(cache, padded, delta=delta)
         else:

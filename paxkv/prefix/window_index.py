@@ -23,7 +23,7 @@ Every page named here holds one reference in its group (the caller retains and r
 the pages each change returns, per group). The global group's pages are evicted chain tails
 first, as the plain index does, when admission needs room; a window group's pages are
 dropped least recently used first whenever that group holds more than ``budget`` of them
-(:func:`paxkv.cache.grouped.prefix_index_pages`: the cache sized every window group
+(:func:`paxkv.cache.layer_groups.prefix_index_pages`: the cache sized every window group
 ``budget`` pages past what its rows need, so a row never waits for a page the index keeps).
 A model whose every layer slides has no global group: its group 0 is then a window group,
 evicted page by page on admission's demand. Plain Python on the host; nothing is traced.
