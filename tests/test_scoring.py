@@ -231,13 +231,13 @@ def test_mixed_continuation_lengths_score_exactly_in_fewer_padded_tokens(tiny):
     ref = reference(tiny, pairs)
     # A fresh scorer runs the children as one 8 x 32 step: two more compiled shapes would cost
     # more than the padding they save.
-    fresh = make(tiny)
+    fresh = make(tiny, remember_shapes=False)  # no shapes from another test's scorer
     got = fresh.score(token_pairs(tiny, pairs))
     assert all(close(r.logprob, sum(w)) for r, w in zip(got, ref))
     assert fresh.stats.padded_tokens == 8 * 24 + 8 * 32
     # With those shapes compiled: 2 x 32 (19 tokens each) and 8 x 4 (6 rows of 2).
-    scorer = make(tiny)
-    scorer.child_shapes.update({(2, 32), (8, 4)})
+    scorer = make(tiny, remember_shapes=False)
+    scorer.programs.shapes.owned("continuation").update({(2, 32), (8, 4)})
     got = scorer.score(token_pairs(tiny, pairs))
     assert all(close(r.logprob, sum(w)) for r, w in zip(got, ref))
     assert scorer.stats.padded_tokens == 8 * 24 + 2 * 32 + 8 * 4
@@ -317,7 +317,7 @@ def test_rolling_loglikelihood_sums_every_token_once(tiny):
 def test_the_scoring_step_donates_the_cache(tiny):
     scorer = make(tiny)
     cache = scorer.cache
-    out = scored(scorer.forward_all, tiny.params, cache, jnp.zeros((2, 4), jnp.int32),
+    out = scored(scorer.programs.forward_all, tiny.params, cache, jnp.zeros((2, 4), jnp.int32),
                  jnp.array([0, 1]), jnp.array([4, 2]), jnp.ones((2, 4), jnp.int32))
     assert cache.pool.k.is_deleted() and cache.pool.v.is_deleted()
     new, lp, greedy, ok, free = out

@@ -96,6 +96,11 @@ class CompileStats:
         self.compiles = self.cache_loads = 0
         self.compile_seconds = 0.0
 
+    def add(self, other: "CompileStats") -> None:
+        self.compiles += other.compiles
+        self.cache_loads += other.cache_loads
+        self.compile_seconds += other.compile_seconds
+
 
 _local = threading.local()  # .active: the CompileStats of the calls running on this thread
 _registered = False

@@ -40,6 +40,10 @@ ARGS = ("pretrained", "batch_size", "max_batch_size", "device", "page_size", "kv
         "max_length", "cache", "share", "max_gen_toks", "compile_cache")
 LOG = logging.getLogger("lm_eval.paxkv")  # under lm-eval's logger: its level and handler
 DEFAULT_ROWS = 32
+# The scorer's rows hold at least this many tokens (up to max_length), so tasks of different
+# lengths share one scorer, its compiled step programs and, in a later process, the persistent
+# compilation cache's entries (:mod:`paxkv.scoring.shapes`); the pool is capped in bytes.
+ROW_TOKENS = 2048
 _PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "tpu": "tpu"}
 
 
@@ -169,7 +173,7 @@ class PaxkvLM(TemplateLM):
         if self.scorer is None or self.scorer.ops.max_len < need:
             self.scorer = scorer_for(self.lm, pairs, cache=self.cache_kind, share=self.share,
                                      page_size=self.page_size, max_seqs=self.rows,
-                                     kv_dtype=self.kv_dtype,
+                                     kv_dtype=self.kv_dtype, min_len=min(ROW_TOKENS, self._max_length),
                                      compile_cache=self.compile_cache or False)
         return self.scorer.score(pairs)
 

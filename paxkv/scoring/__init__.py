@@ -48,9 +48,10 @@ KV_BUDGET_BYTES = 2 << 30
 def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: bool = True,
                page_size: int = 16, max_seqs: int | None = None, num_pages: int | None = None,
                kv_dtype: Any = jnp.float32, attention_impl: str = "auto",
-               mesh: Mesh | None = None, compile_cache: str | bool | None = None) -> Scorer:
+               mesh: Mesh | None = None, compile_cache: str | bool | None = None,
+               min_len: int = 128) -> Scorer:
     """A :class:`Scorer` whose rows hold the longest of ``pairs`` (rounded up to a power of
-    two >= 128, so workloads of similar lengths share compiled steps). Without ``num_pages``
+    two >= ``min_len``, so workloads of similar lengths share compiled steps). Without ``num_pages``
     the pool is ``max_seqs`` full rows or :data:`KV_BUDGET_BYTES`, whichever is smaller (a
     dense cache gets fewer rows instead), and at least one full row (on a ``mesh``: per data
     shard, the pool a multiple of the data axis). ``max_seqs``: default 32, on a ``mesh``
@@ -58,7 +59,7 @@ def scorer_for(lm: Any, pairs: Sequence[Pair], *, cache: str = "paged", share: b
     page_size = check_size("page_size", page_size)
     max_seqs = default_max_seqs(max_seqs, mesh)
     longest = max((len(c) + len(x) - 1 for c, x in pairs), default=1)
-    max_len = buckets.cdiv(buckets.pow2(longest, 128), page_size) * page_size
+    max_len = buckets.cdiv(buckets.pow2(max(longest, min_len), 128), page_size) * page_size
     scale_bytes = 4 if quant.format_of(kv_dtype) else 0  # int8 / fp8: a float32 scale each
     token_bytes = (2 * lm.num_layers * lm.num_kv_heads
                    * (lm.head_dim * jnp.dtype(kv_dtype).itemsize + scale_bytes))

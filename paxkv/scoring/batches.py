@@ -62,6 +62,22 @@ def pages_needed(ctx: Sequence[int], conts: Sequence[Sequence[int]], page_size: 
     return base - cached_pages + grow
 
 
+def check_pairs(pairs: Sequence[Pair], max_len: int, page_size: int,
+                num_pages: int | None) -> None:
+    """Raises ValueError naming the first pair a scorer of rows of ``max_len`` tokens and a
+    pool of ``num_pages`` pages (None: a dense cache, no page limit) cannot hold."""
+    for i, (ctx, cont) in enumerate(pairs):
+        n = len(ctx) + len(cont) - 1
+        if n > max_len:
+            raise ValueError(f"request {i} needs {n} tokens of cache (context {len(ctx)} + "
+                             f"continuation {len(cont)} - 1) but max_len={max_len}: raise "
+                             "max_len, or truncate with max_length")
+        pages = pages_needed(ctx, [cont], page_size)
+        if num_pages is not None and pages > num_pages:
+            raise ValueError(f"request {i} needs {pages} pages but num_pages={num_pages}: "
+                             "raise num_pages")
+
+
 def context_step(batch: Sequence[ContextRow], t: int, pairs: Sequence[Pair], max_rows: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
     """``(tokens [b, t], rows [b], query_lengths [b], candidates [b, k], firsts)`` for the next

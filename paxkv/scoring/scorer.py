@@ -19,25 +19,25 @@ lists, rows and counts.
 from __future__ import annotations
 
 import collections
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from paxkv.core import plan as attention_plan
 from paxkv.core.compiles import CompileStats, metered, use_persistent_cache
+from paxkv.core.plan import AttentionPlan
 from paxkv.core.protocol import check_model
 from paxkv.engine import policy
 from paxkv.engine import routing as shard_routing
-from paxkv.engine.cache_ops import CacheOps, host
+from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.setup import build_cache, place_model
 from paxkv.prefix.index import Hit
-from paxkv.scoring import steps
-from paxkv.scoring.batches import (ChildRow, ContextRow, child_groups, context_step,
-                                   continuation_step, pages_needed, step_width)
+from paxkv.scoring.batches import (ChildRow, ContextRow, check_pairs, child_groups,
+                                   context_step, continuation_step, pages_needed, step_width)
 from paxkv.scoring.requests import Pair, group
 from paxkv.scoring.results import ScoreResult, ScoreStats
+from paxkv.scoring.shapes import Programs, StepShape
 from paxkv.scoring.shared import SharedContexts
 
 
@@ -60,6 +60,8 @@ class Scorer:
         build_cache`): each context and its continuations share pages in one data shard
         (:func:`paxkv.engine.routing.pick_shard`); no prefix index across contexts there.
       compile_cache: JAX's persistent compilation cache (:class:`paxkv.Engine`'s argument).
+      remember_shapes: keep the step shapes run beside that cache, so a later scorer of the
+        same layout, in any process, plans with them (:class:`~paxkv.scoring.shapes.Programs`).
     """
 
     def __init__(self, lm: Any, *, cache: str = "paged", share: bool = True,
@@ -67,7 +69,8 @@ class Scorer:
                  num_pages: int | None = None, kv_dtype: Any = jnp.float32,
                  attention_impl: str = "auto", prefill_chunk: int = 512,
                  prefill_tokens: int = 4096, score_tokens: int = 2048,
-                 mesh: Mesh | None = None, compile_cache: str | bool | None = None):
+                 mesh: Mesh | None = None, compile_cache: str | bool | None = None,
+                 remember_shapes: bool = True):
         check_model(lm)
         self.compile_cache = use_persistent_cache(compile_cache)  # before the first compile
         if not isinstance(max_seqs, int) or max_seqs < 1:
@@ -82,10 +85,11 @@ class Scorer:
         # the prefix index reads one page table: on a sharded cache contexts fork, unindexed
         indexable = kv.shares_pages and self.ops.num_shards == 1
         self.shared = SharedContexts(self.ops) if share and indexable else None
-        self.forward_all = steps.all_logits(self.lm)
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.score_tokens = score_tokens
-        self.child_shapes: set[tuple[int, int]] = set()  # child step shapes run so far
+        # its step shapes, kept across calls (and processes, beside the compilation cache)
+        self.programs = Programs(self.lm, self.ops,
+                                 self.compile_cache if remember_shapes else None)
         self.stats = ScoreStats()
 
     @property
@@ -101,11 +105,30 @@ class Scorer:
     def reset_stats(self) -> None:
         self.stats = ScoreStats()
 
+    def warm_up(self, shapes: Iterable[StepShape] | str, threads: int = 2) -> CompileStats:
+        """Compiles step programs before the first request, ``threads`` at a time, and has the
+        planners prefer them (:mod:`paxkv.scoring.shapes`).
+
+        Args:
+          shapes: :class:`~paxkv.scoring.shapes.StepShape` s, or their JSON: what a scorer of
+            the same model and layout ran (``other.shapes.shapes()``; with the persistent
+            compilation cache populated, each is a load, not a compile).
+          threads: compiles at once (XLA compiles off the interpreter lock).
+
+        Returns:
+          what the compiles cost (also added to ``stats.compiles``).
+        """
+        paid = self.programs.warm_up(shapes, threads)
+        self.stats.compiles.add(paid)
+        return paid
+
     # -- the whole call -------------------------------------------------------------------
     @metered
     def score(self, pairs: Sequence[Pair]) -> list[ScoreResult]:
         """Scores token pairs (:func:`paxkv.scoring.requests.token_pairs`), in order."""
-        self._check_fits(pairs)
+        cache = self.ops.cache
+        check_pairs(pairs, self.ops.max_len, cache.page_size,
+                    cache.num_pages if cache.shares_pages else None)
         lps: list[list[float]] = [[0.0] * len(c) for _, c in pairs]
         greedy: list[list[bool]] = [[True] * len(c) for _, c in pairs]
         queue = collections.deque(group(pairs, share=self.share,
@@ -121,21 +144,9 @@ class Scorer:
                     self.ops.release([c.row for c in children])
         finally:
             self._clear()
+            self.programs.save()
         return [ScoreResult(float(np.sum(lp, dtype=np.float64)), all(g), tuple(lp))
                 for lp, g in zip(lps, greedy)]
-
-    def _check_fits(self, pairs: Sequence[Pair]) -> None:
-        cache = self.ops.cache
-        for i, (ctx, cont) in enumerate(pairs):
-            n = len(ctx) + len(cont) - 1
-            if n > self.ops.max_len:
-                raise ValueError(f"request {i} needs {n} tokens of cache (context {len(ctx)} + "
-                                 f"continuation {len(cont)} - 1) but max_len={self.ops.max_len}:"
-                                 " raise max_len, or truncate with max_length")
-            pages = pages_needed(ctx, [cont], cache.page_size)
-            if cache.shares_pages and pages > cache.num_pages:
-                raise ValueError(f"request {i} needs {pages} pages but num_pages="
-                                 f"{cache.num_pages}: raise num_pages")
 
     # -- admission ------------------------------------------------------------------------
     def _admit(self, queue: collections.deque, pairs: Sequence[Pair]) -> list[ContextRow]:
@@ -188,14 +199,12 @@ class Scorer:
         self.ops.refresh_free()
 
     # -- the device steps -----------------------------------------------------------------
-    def _step(self, fn: Any, forward: Any, tokens: np.ndarray, rows: np.ndarray,
-              qlen: np.ndarray, extra: np.ndarray, plan: Any) -> tuple[np.ndarray, ...]:
-        """One jitted, donated step (:meth:`CacheOps.run_step`); counts tokens, pages and
-        copy-on-write copies."""
+    def _step(self, kind: str, tokens: np.ndarray, rows: np.ndarray, qlen: np.ndarray,
+              extra: np.ndarray, plan: AttentionPlan) -> tuple[np.ndarray, ...]:
+        """One jitted, donated step of ``kind`` (:meth:`CacheOps.run_step`); counts tokens,
+        pages and copy-on-write copies."""
         copies = self.ops.cow_copies
-        lp, greedy, ok = self.ops.run_step(lambda: fn(
-            forward, self.lm.params, self.ops.cache, host(tokens, np.int32), host(rows, np.int32),
-            host(qlen, np.int32), host(extra, np.int32), plan=plan))
+        lp, greedy, ok = self.programs.run(kind, tokens, rows, qlen, extra, plan)
         s = self.stats
         s.peak_pages = max(s.peak_pages, self.ops.cache.total_pages - self.ops.free)
         s.steps += 1
@@ -205,13 +214,6 @@ class Scorer:
             raise RuntimeError("a scoring step found no room in the cache (the admission "
                                "count was wrong): please report this")
         return lp, greedy
-
-    def _plan(self, prefixes: list[Sequence[int]], longest: int) -> Any:
-        cache = self.ops.cache
-        shared = (attention_plan.shared_prefix_pages(prefixes, cache.page_size)
-                  if cache.shares_pages and self.ops.shares else 0)
-        return attention_plan.plan_step(longest=longest, max_len=cache.max_len,
-                                        page_size=cache.page_size, prefix_pages=shared)
 
     def _prefill(self, live: list[ContextRow], pairs: Sequence[Pair], lps: list[list[float]],
                  greedy: list[list[bool]]) -> None:
@@ -227,12 +229,15 @@ class Scorer:
 
     def _prefill_chunk(self, batch: list[ContextRow], t: int, pairs: Sequence[Pair],
                        lps: list[list[float]], greedy: list[list[bool]]) -> list[ContextRow]:
+        b, t = self.programs.shapes.choose("context", len(batch), t, self.ops.max_seqs)
+        batch, later = batch[:b], batch[b:]
         tokens, rows, qlen, cands, firsts = context_step(batch, t, pairs, self.ops.max_seqs)
-        plan = self._plan([r.group.context[:min(x.cached for x in batch)] for r in batch],
+        plan = self.programs.plan("context", tokens.shape,
+                          [r.group.context[:min(x.cached for x in batch)] for r in batch],
                           max(r.cached + int(q) for r, q in zip(batch, qlen)))
-        lp, gr = self._step(steps.scored_last, self.lm.forward, tokens, rows, qlen, cands, plan)
+        lp, gr = self._step("context", tokens, rows, qlen, cands, plan)
         self.stats.prefill_tokens += int(qlen.sum())
-        more = []
+        more = later
         for i, r in enumerate(batch):
             r.cached += int(qlen[i])
             if r.left:
@@ -273,10 +278,10 @@ class Scorer:
         """Teacher-forced steps over every child row: rows of like lengths share a step
         (:func:`~paxkv.scoring.batches.child_groups`), each in chunks of at most a step's
         width."""
-        cap = self.forward_all.width_limit or self.prefill_chunk
+        cap = self.programs.width_limit or self.prefill_chunk
         todo = sorted([c for c in children if c.left], key=lambda c: c.left, reverse=True)
         groups = child_groups([c.left for c in todo], cap, self.ops.max_seqs, self.score_tokens,
-                              self.child_shapes)
+                              self.programs.shapes.owned("continuation"))
         for start, end in groups:
             batch = todo[start:end]
             t = step_width(batch[0].left, cap)
@@ -289,9 +294,9 @@ class Scorer:
                      greedy: list[list[bool]]) -> list[ChildRow]:
         tokens, targets, rows, qlen = continuation_step(batch, t, self.ops.max_seqs)
         lengths = np.asarray(self.ops.cache.lengths)
-        plan = self._plan([c.context for c in batch],
+        plan = self.programs.plan("continuation", tokens.shape, [c.context for c in batch],
                           int(max(lengths[c.row] + q for c, q in zip(batch, qlen))))
-        lp, gr = self._step(steps.scored, self.forward_all, tokens, rows, qlen, targets, plan)
+        lp, gr = self._step("continuation", tokens, rows, qlen, targets, plan)
         self.stats.scored_tokens += int(qlen.sum())
         for i, c in enumerate(batch):
             n = int(qlen[i])
