@@ -22,6 +22,8 @@ from paxkv.core import buckets
 from paxkv.cache.full import NoCache
 from paxkv.scoring import Scorer, rolling_windows, scorer_for, token_pairs
 from paxkv.scoring.batches import child_groups, step_width
+from paxkv.scoring.shapes import StepShape
+from paxkv.core.plan import AttentionPlan
 from paxkv.scoring.steps import scored
 from paxkv.core.step_info import StepInfo
 from tiny import tiny_lm
@@ -237,7 +239,8 @@ def test_mixed_continuation_lengths_score_exactly_in_fewer_padded_tokens(tiny):
     assert fresh.stats.padded_tokens == 8 * 24 + 8 * 32
     # With those shapes compiled: 2 x 32 (19 tokens each) and 8 x 4 (6 rows of 2).
     scorer = make(tiny, remember_shapes=False)
-    scorer.programs.shapes.owned("continuation").update({(2, 32), (8, 4)})
+    for b, t in ((2, 32), (8, 4)):  # compiled for every window of these rows
+        scorer.programs.shapes.adopt(StepShape("continuation", b, t, t, AttentionPlan(window=128)))
     got = scorer.score(token_pairs(tiny, pairs))
     assert all(close(r.logprob, sum(w)) for r, w in zip(got, ref))
     assert scorer.stats.padded_tokens == 8 * 24 + 2 * 32 + 8 * 4

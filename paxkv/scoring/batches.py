@@ -78,13 +78,12 @@ def check_pairs(pairs: Sequence[Pair], max_len: int, page_size: int,
                              "raise num_pages")
 
 
-def context_step(batch: Sequence[ContextRow], t: int, pairs: Sequence[Pair], max_rows: int
+def context_step(batch: Sequence[ContextRow], t: int, pairs: Sequence[Pair], b: int, k: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
     """``(tokens [b, t], rows [b], query_lengths [b], candidates [b, k], firsts)`` for the next
-    chunk of each context; ``firsts[i]``: row ``i``'s candidates in order."""
-    b = buckets.pow2(len(batch), 1, max_rows)
+    chunk of each context (``len(batch) <= b``; :func:`candidates_width` for ``k``);
+    ``firsts[i]``: row ``i``'s candidates in order."""
     firsts = [r.group.firsts(pairs) for r in batch]
-    k = buckets.pow2(max(map(len, firsts)), 4)
     tokens, candidates = np.zeros((b, t), np.int32), np.zeros((b, k), np.int32)
     rows, qlen = np.full(b, batch[0].row, np.int32), np.zeros(b, np.int32)
     for i, r in enumerate(batch):
@@ -92,6 +91,12 @@ def context_step(batch: Sequence[ContextRow], t: int, pairs: Sequence[Pair], max
         tokens[i, :len(chunk)], rows[i], qlen[i] = chunk, r.row, len(chunk)
         candidates[i, :len(firsts[i])] = firsts[i]
     return tokens, rows, qlen, candidates, firsts
+
+
+def candidates_width(batch: Sequence[ContextRow], pairs: Sequence[Pair]) -> int:
+    """Candidates per row of a context step: a power of two >= 8 (tasks of up to 8 choices
+    share one width; a gather of 8 costs what one of 4 does)."""
+    return buckets.pow2(max(len(r.group.firsts(pairs)) for r in batch), 8)
 
 
 # What a step costs beyond its batch x width tokens, in tokens (reading the weights, the page
@@ -140,11 +145,10 @@ def step_width(left: int, cap: int) -> int:
     return buckets.pow2(left, 4, cap) if cap > 1 else 1
 
 
-def continuation_step(batch: Sequence[ChildRow], t: int, max_rows: int
+def continuation_step(batch: Sequence[ChildRow], t: int, b: int
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(tokens [b, t], targets [b, t], rows [b], query_lengths [b])`` for the next chunk of
-    each continuation."""
-    b = buckets.pow2(len(batch), 1, max_rows)
+    each continuation (``len(batch) <= b``)."""
     tokens, targets = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
     rows, qlen = np.full(b, batch[0].row, np.int32), np.zeros(b, np.int32)
     for i, c in enumerate(batch):

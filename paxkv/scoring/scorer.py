@@ -26,15 +26,15 @@ import numpy as np
 from jax.sharding import Mesh
 
 from paxkv.core.compiles import CompileStats, metered, use_persistent_cache
-from paxkv.core.plan import AttentionPlan
 from paxkv.core.protocol import check_model
 from paxkv.engine import policy
 from paxkv.engine import routing as shard_routing
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.setup import build_cache, place_model
 from paxkv.prefix.index import Hit
-from paxkv.scoring.batches import (ChildRow, ContextRow, check_pairs, child_groups,
-                                   context_step, continuation_step, pages_needed, step_width)
+from paxkv.scoring.batches import (ChildRow, ContextRow, candidates_width, check_pairs,
+                                   child_groups, context_step, continuation_step, pages_needed,
+                                   step_width)
 from paxkv.scoring.requests import Pair, group
 from paxkv.scoring.results import ScoreResult, ScoreStats
 from paxkv.scoring.shapes import Programs, StepShape
@@ -199,12 +199,12 @@ class Scorer:
         self.ops.refresh_free()
 
     # -- the device steps -----------------------------------------------------------------
-    def _step(self, kind: str, tokens: np.ndarray, rows: np.ndarray, qlen: np.ndarray,
-              extra: np.ndarray, plan: AttentionPlan) -> tuple[np.ndarray, ...]:
-        """One jitted, donated step of ``kind`` (:meth:`CacheOps.run_step`); counts tokens,
-        pages and copy-on-write copies."""
+    def _step(self, shape: StepShape, tokens: np.ndarray, rows: np.ndarray, qlen: np.ndarray,
+              extra: np.ndarray) -> tuple[np.ndarray, ...]:
+        """One jitted, donated step of program ``shape`` (:meth:`CacheOps.run_step`); counts
+        tokens, pages and copy-on-write copies."""
         copies = self.ops.cow_copies
-        lp, greedy, ok = self.programs.run(kind, tokens, rows, qlen, extra, plan)
+        lp, greedy, ok = self.programs.run(shape, tokens, rows, qlen, extra)
         s = self.stats
         s.peak_pages = max(s.peak_pages, self.ops.cache.total_pages - self.ops.free)
         s.steps += 1
@@ -229,13 +229,14 @@ class Scorer:
 
     def _prefill_chunk(self, batch: list[ContextRow], t: int, pairs: Sequence[Pair],
                        lps: list[list[float]], greedy: list[list[bool]]) -> list[ContextRow]:
-        b, t = self.programs.shapes.choose("context", len(batch), t, self.ops.max_seqs)
-        batch, later = batch[:b], batch[b:]
-        tokens, rows, qlen, cands, firsts = context_step(batch, t, pairs, self.ops.max_seqs)
-        plan = self.programs.plan("context", tokens.shape,
-                          [r.group.context[:min(x.cached for x in batch)] for r in batch],
-                          max(r.cached + int(q) for r, q in zip(batch, qlen)))
-        lp, gr = self._step("context", tokens, rows, qlen, cands, plan)
+        plan = self.programs.plan([r.group.context[:min(x.cached for x in batch)] for r in batch],
+                                  max(r.cached + min(r.left, t) for r in batch))
+        shape = self.programs.choose("context", len(batch), t, candidates_width(batch, pairs),
+                                     plan, self.prefill_chunk)
+        batch, later = batch[:shape.rows], batch[shape.rows:]
+        tokens, rows, qlen, cands, firsts = context_step(batch, shape.width, pairs, shape.rows,
+                                                         shape.extra)
+        lp, gr = self._step(shape, tokens, rows, qlen, cands)
         self.stats.prefill_tokens += int(qlen.sum())
         more = later
         for i, r in enumerate(batch):
@@ -292,15 +293,18 @@ class Scorer:
 
     def _score_chunk(self, batch: list[ChildRow], t: int, lps: list[list[float]],
                      greedy: list[list[bool]]) -> list[ChildRow]:
-        tokens, targets, rows, qlen = continuation_step(batch, t, self.ops.max_seqs)
         lengths = np.asarray(self.ops.cache.lengths)
-        plan = self.programs.plan("continuation", tokens.shape, [c.context for c in batch],
-                          int(max(lengths[c.row] + q for c, q in zip(batch, qlen))))
-        lp, gr = self._step("continuation", tokens, rows, qlen, targets, plan)
+        plan = self.programs.plan([c.context for c in batch],
+                                  int(max(lengths[c.row] + min(c.left, t) for c in batch)))
+        cap = self.programs.width_limit or self.prefill_chunk
+        shape = self.programs.choose("continuation", len(batch), t, t, plan, cap)
+        batch, later = batch[:shape.rows], batch[shape.rows:]
+        tokens, targets, rows, qlen = continuation_step(batch, shape.width, shape.rows)
+        lp, gr = self._step(shape, tokens, rows, qlen, targets)
         self.stats.scored_tokens += int(qlen.sum())
         for i, c in enumerate(batch):
             n = int(qlen[i])
             lps[c.request][c.done + 1:c.done + 1 + n] = lp[i, :n].tolist()
             greedy[c.request][c.done + 1:c.done + 1 + n] = gr[i, :n].tolist()
             c.done += n
-        return [c for c in batch if c.left]
+        return later + [c for c in batch if c.left]

@@ -39,7 +39,6 @@ from paxkv.core import plan as attention_plan
 from paxkv.core.compiles import CompileStats, counting
 from paxkv.core.plan import AttentionPlan
 from paxkv.engine.cache_ops import CacheOps, host
-from paxkv.engine.policy import Shapes
 from paxkv.scoring import steps
 
 KINDS = ("context", "continuation")
@@ -67,45 +66,61 @@ class StepShape:
 
 
 class StepShapes:
-    """The scorer's ski-rental state per kind and the record of every program it ran."""
+    """The programs a scorer knows (compiled, or remembered), the rent paid in place of each
+    tight one, and the record of every program it ran."""
 
-    def __init__(self) -> None:
-        self.rent = {kind: Shapes() for kind in KINDS}
+    def __init__(self, buy: int = buckets.COMPILE_TOKENS) -> None:
+        self.buy = buy
+        self.known: dict[str, dict[StepShape, None]] = {kind: {} for kind in KINDS}
+        self.rent: dict[StepShape, int] = {}
         self._seen: dict[StepShape, None] = {}  # insertion-ordered set
 
-    def choose(self, kind: str, rows: int, width: int, max_rows: int) -> tuple[int, int]:
-        """``(b, t)`` for a step of ``rows`` rows of at most ``width`` tokens
-        (:meth:`paxkv.engine.policy.Shapes.choose`; ``b < rows``: run only ``b`` now)."""
-        return self.rent[kind].choose(rows, width, max_rows)
-
-    def owned(self, kind: str) -> set[tuple[int, int]]:
-        """The ``(rows, width)`` shapes compiled for ``kind`` (the continuation planner adds to
-        it: :func:`paxkv.scoring.batches.child_groups`)."""
-        return self.rent[kind].owned
-
-    def plan(self, kind: str, shape: tuple[int, int], plan: AttentionPlan, max_len: int
-             ) -> AttentionPlan:
-        """The plan to compile or reuse at ``shape``: ``plan`` with its window rounded up to a
-        power of two (at most ``max_len``), or an already compiled plan that covers it."""
+    def choose(self, kind: str, rows: int, width: int, extra: int, max_rows: int,
+               plan: AttentionPlan, max_len: int, max_width: int) -> StepShape:
+        """The program for a step of ``rows`` rows of at most ``width`` tokens, ``extra``
+        candidates (a continuation step: its width) and attention ``plan``: its tight one
+        (``pow2(rows)`` rows, the plan's window rounded up to a power of two), or a known one
+        at least as wide, with as many candidates and a plan that covers it, padded, while
+        the padding paid in place of the tight one stays within ``buy`` tokens (ski rental).
+        A program of ``b < rows`` rows runs only ``b`` rows now; none wider than
+        ``max_width`` is rented."""
         if plan.window is not None:
             plan = dataclasses.replace(plan, window=min(max_len, buckets.pow2(plan.window)))
-        return self.rent[kind].plan(shape, plan)
+        b = buckets.pow2(rows, 1, max_rows)
+        tight = StepShape(kind, b, width, width if kind == "continuation" else extra, plan)
+        known = self.known[kind]
+        same = [s for s in known if (s.rows, s.width, s.extra) == (b, width, tight.extra)
+                and s.plan.covers(plan)]
+        if same:
+            return same[0]
+        options = [(s.rows * s.width - buckets.pow2(min(rows, s.rows)) * width, i, s)
+                   for i, s in enumerate(known) if width <= s.width <= max_width
+                   and s.extra >= tight.extra and s.plan.covers(plan)]
+        if options:
+            cost, _, shape = min(options)
+            paid = self.rent.get(tight, 0) + cost
+            if paid <= self.buy:
+                self.rent[tight] = paid
+                return shape
+        known[tight] = None
+        return tight
+
+    def owned(self, kind: str) -> set[tuple[int, int]]:
+        """The ``(rows, width)`` of the programs known for ``kind`` (what the continuation
+        planner prices as compiled: :func:`paxkv.scoring.batches.child_groups`)."""
+        return {(s.rows, s.width) for s in self.known[kind]}
 
     def record(self, shape: StepShape) -> None:
         self._seen.setdefault(shape, None)
 
     def shapes(self) -> list[StepShape]:
-        """Every step program run so far, first run first."""
+        """Every step program known (run, warmed up or remembered), first known first."""
         return list(self._seen)
 
     def adopt(self, shape: StepShape) -> None:
-        """Counts ``shape`` as compiled (after :meth:`paxkv.scoring.Scorer.warm_up`): the
-        planners prefer it from now on."""
-        rent = self.rent[shape.kind]
-        rent.owned.add((shape.rows, shape.width))
-        compiled = rent.plans.setdefault((shape.rows, shape.width), [])
-        if shape.plan not in compiled:
-            compiled.append(shape.plan)
+        """Counts ``shape`` as compiled (:meth:`paxkv.scoring.Scorer.warm_up`, or remembered):
+        the planner rents it from now on."""
+        self.known[shape.kind][shape] = None
         self.record(shape)
 
 
@@ -213,26 +228,31 @@ class Programs:
             return steps.scored_last, self.lm.forward
         return steps.scored, self.forward_all
 
-    def plan(self, kind: str, shape: tuple[int, int], prefixes: Sequence[Sequence[int]],
-             longest: int) -> AttentionPlan:
-        """The plan of a ``kind`` step at ``shape`` whose rows hold ``prefixes`` before it and
-        at most ``longest`` tokens after it (:meth:`StepShapes.plan`)."""
+    def plan(self, prefixes: Sequence[Sequence[int]], longest: int) -> AttentionPlan:
+        """The plan of a step whose rows hold ``prefixes`` before it and at most ``longest``
+        tokens after it (:meth:`StepShapes.choose` rounds its window)."""
         cache = self.ops.cache
         shared = (attention_plan.shared_prefix_pages(prefixes, cache.page_size)
                   if cache.shares_pages and self.ops.shares else 0)
-        plan = attention_plan.plan_step(longest=longest, max_len=cache.max_len,
+        return attention_plan.plan_step(longest=longest, max_len=cache.max_len,
                                         page_size=cache.page_size, prefix_pages=shared)
-        return self.shapes.plan(kind, shape, plan, cache.max_len)
 
-    def run(self, kind: str, tokens: np.ndarray, rows: np.ndarray, qlen: np.ndarray,
-            extra: np.ndarray, plan: AttentionPlan) -> tuple[np.ndarray, ...]:
-        """One step (:meth:`paxkv.engine.cache_ops.CacheOps.run_step`) ->
-        ``(logprobs, greedy, ok)`` as numpy; ``extra``: candidates or targets."""
-        fn, forward = self.program(kind)
-        self.shapes.record(StepShape(kind, *tokens.shape, extra.shape[1], plan))
+    def choose(self, kind: str, rows: int, width: int, extra: int, plan: AttentionPlan,
+               max_width: int) -> StepShape:
+        """:meth:`StepShapes.choose` for this scorer's cache."""
+        return self.shapes.choose(kind, rows, width, extra, self.ops.max_seqs, plan,
+                                  self.ops.max_len, max_width)
+
+    def run(self, shape: StepShape, tokens: np.ndarray, rows: np.ndarray, qlen: np.ndarray,
+            extra: np.ndarray) -> tuple[np.ndarray, ...]:
+        """One step of program ``shape`` (:meth:`paxkv.engine.cache_ops.CacheOps.run_step`)
+        -> ``(logprobs, greedy, ok)`` as numpy; ``extra``: candidates or targets."""
+        fn, forward = self.program(shape.kind)
+        self.shapes.record(shape)
         return self.ops.run_step(lambda: fn(
             forward, self.lm.params, self.ops.cache, host(tokens, np.int32),
-            host(rows, np.int32), host(qlen, np.int32), host(extra, np.int32), plan=plan))
+            host(rows, np.int32), host(qlen, np.int32), host(extra, np.int32),
+            plan=shape.plan))
 
     def warm_up(self, shapes: Iterable[StepShape] | str, threads: int) -> CompileStats:
         """:meth:`paxkv.scoring.Scorer.warm_up`."""
