@@ -4,12 +4,13 @@ compile instead of one per count. Every rounding in paxkv goes through one of th
 
 from __future__ import annotations
 
-# What compiling one more step shape costs, in tokens of step work: the one price both shape
-# planners use (:class:`paxkv.engine.policy.Shapes` for prefill calls, ``scoring.batches`` for child
-# steps). SmolLM2-135M on 2 CPU cores compiles a step in 1.5-5 s, about half a full 4,096-token
-# prefill call; without the price the scoring planner compiled 15 child shapes for a 48-question
-# workload that runs each once. On a GPU a token is far cheaper than a compile: pass a larger
-# ``Shapes(buy=...)``.
+# What compiling one more step shape costs, in tokens of step work: the one price every shape
+# planner uses (:class:`paxkv.engine.policy.Shapes` for prefill calls,
+# :class:`paxkv.scoring.shapes.StepShapes` and ``scoring.batches.child_groups`` for scoring
+# steps). SmolLM2-135M on 2 CPU cores compiles a step in 1.1-2 s (plus ~0.4 s tracing and
+# lowering), about what 2,000 tokens of scoring work take; without the price the scoring planner
+# compiled 15 child shapes for a 48-question workload that runs each once. On a GPU a token is
+# far cheaper than a compile: pass a larger ``buy``.
 COMPILE_TOKENS = 2048
 
 

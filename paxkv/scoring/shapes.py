@@ -1,23 +1,30 @@
-"""The scorer's step programs: a bounded set, chosen by ski rental, recorded, compiled ahead.
+"""The scorer's step programs: a bounded set, chosen by ski rental, remembered, compiled ahead.
 
 Every scoring step is one compiled program per ``(kind, rows, width, extra, plan)``::
 
     kind "context"       scored_last: tokens [rows, width], candidates [rows, extra]
     kind "continuation"  scored:      tokens [rows, width], targets    [rows, width]
 
-The planners round each dimension to a short ladder (rows: powers of two; context widths:
-:func:`paxkv.core.buckets.fine` up to ``prefill_chunk``; continuation widths: powers of two
-from 4; candidates: powers of two from 4; the attention window: a power of two up to
-``max_len``), and on top of the ladder a step runs, padded, in a shape already compiled
-(:class:`paxkv.engine.policy.Shapes`: ski rental) until the padding paid for it would have paid
-for a compile of its own (:data:`paxkv.core.buckets.COMPILE_TOKENS`). So a workload never pays
-more than twice the better of "compile every tight shape" and "pad into the first one", and a
-scorer kept across tasks (the lm-eval backend keeps one) runs a new task of ordinary lengths
-mostly in programs it already has (``tests/test_compiles.py``: at most 6 compiles a task).
+**The ladder.** Each dimension is rounded to a short ladder: rows to powers of two; context
+widths to :func:`paxkv.core.buckets.fine` up to ``prefill_chunk``; continuation widths to powers
+of two from 4; candidates to powers of two from 8; the attention window to a power of two up to
+``max_len``. So the programs a scorer can ever compile are a fixed, finite set for its layout.
 
-:meth:`StepShapes.shapes` lists the programs a scorer compiled, in order; hand that list (or
-its JSON, :func:`to_json`) to :meth:`paxkv.scoring.Scorer.warm_up` in another process and every
-program compiles there before the first request, on several threads.
+**Ski rental over whole programs.** A step first looks for a known program at least as wide,
+with as many candidates and a plan that covers its own (:meth:`~paxkv.core.plan.AttentionPlan.
+covers`: a window at least as long), and runs there, padded, until the padding paid in place of
+its own tight program passes :data:`RENT_TOKENS` (what one compile costs on 2 CPU cores, in
+tokens of step work); then its tight program compiles. So a workload never
+pays more than twice the better of "compile every tight program" and "pad into what is known",
+and a scorer kept across tasks (the lm-eval backend keeps one) runs a new task of ordinary
+lengths mostly in programs it has (``tests/test_step_shapes.py``: at most 6 compiles a task).
+
+**Remembered and compiled ahead.** :meth:`StepShapes.shapes` lists the programs a scorer knows.
+With the persistent compilation cache on, that list is kept beside it (:func:`remember`, keyed
+by the model's sizes and the cache's layout), so a scorer in a later process plans with the
+programs earlier ones compiled, and loads them instead of compiling shapes of its own;
+:meth:`paxkv.scoring.Scorer.warm_up` compiles a list (or its JSON, :func:`to_json`) before the
+first request, several at a time.
 """
 
 from __future__ import annotations
@@ -42,6 +49,14 @@ from paxkv.engine.cache_ops import CacheOps, host
 from paxkv.scoring import steps
 
 KINDS = ("context", "continuation")
+
+# What renting may cost in place of one compile, in padded tokens: a scoring step's compile
+# takes 1.1-2.0 s on 2 CPU cores plus ~0.4 s tracing and lowering, and a padded token of a
+# scoring step 1.6-2.8 ms (a continuation step computes logits at every position): one compile
+# is ~700-1,300 tokens (experiments.eval_cold, 12-05). At buckets.COMPILE_TOKENS (2,048, priced
+# on the engine's prefill) a two-choice task rented a 4 x 512 program for 2-row steps six times:
+# 24 s of steps where compiling its own would have cost 2.
+RENT_TOKENS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +84,7 @@ class StepShapes:
     """The programs a scorer knows (compiled, or remembered), the rent paid in place of each
     tight one, and the record of every program it ran."""
 
-    def __init__(self, buy: int = buckets.COMPILE_TOKENS) -> None:
+    def __init__(self, buy: int = RENT_TOKENS) -> None:
         self.buy = buy
         self.known: dict[str, dict[StepShape, None]] = {kind: {} for kind in KINDS}
         self.rent: dict[StepShape, int] = {}
