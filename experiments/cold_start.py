@@ -14,7 +14,9 @@ first process meets an empty folder; a second process meets what the first wrote
 
 Reported per call and process: wall seconds, XLA compiles, persistent-cache loads, seconds
 compiling or loading (``stats().compiles``); the first call against the warm one; tokens and
-log-likelihoods equal in every variant. Writes ``results/cold_start.json``.
+log-likelihoods equal in every variant (tokens exactly; log-likelihoods within
+:data:`LL_TOLERANCE`: a warm call may run its steps in other compiled shapes, padded
+differently, :mod:`paxkv.scoring.shapes`). Writes ``results/cold_start.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import time
 from typing import Any
 
 from experiments import common
+
+LL_TOLERANCE = 1e-4  # summed continuation log-likelihoods, float32 steps
 
 
 def child(args: Any) -> dict[str, Any]:
@@ -86,13 +90,18 @@ def main() -> None:
     argv = [f"--{k}={getattr(args, k)}" for k in ("prompts", "lo", "hi", "new")]
     with tempfile.TemporaryDirectory() as folder:
         empty, populated = spawn(folder, argv), spawn(folder, argv)
-    rows, table, equal = [], [], True
+    rows, table, equal, worst = [], [], True, 0.0
     for call in ("generate", "score"):
         warm = min(empty[call][1]["seconds"], populated[call][1]["seconds"])
         for label, run in (("new process, empty cache", empty[call][0]),
                            ("new process, cache populated", populated[call][0]),
                            ("warm (second call)", populated[call][1])):
-            equal &= run["answer"] == empty[call][0]["answer"]
+            if call == "generate":
+                equal &= run["answer"] == empty[call][0]["answer"]
+            else:
+                diff = max(abs(a - b) for a, b in zip(run["answer"], empty[call][0]["answer"]))
+                worst = max(worst, diff)
+                equal &= diff <= LL_TOLERANCE
             rows.append(dict(call=call, variant=label, warm_vs_this=warm / run["seconds"],
                              **{k: v for k, v in run.items() if k != "answer"}))
             table.append([call, label, f"{run['seconds']:.2f}", str(run["compiles"]),
@@ -100,9 +109,9 @@ def main() -> None:
                           f"{warm / run['seconds']:.2f}"])
     common.print_table(["call", "process", "wall s", "compiles", "cache loads",
                         "compile / load s", "warm / this (speed)"], table)
-    print(f"answers equal in every variant: {equal}")
+    print(f"answers equal in every variant: {equal} (log-likelihoods within {worst:.1e})")
     common.finish(common.result_name("cold_start", args.quick),
-                  common.record(vars(args), dict(rows=rows, answers_equal=equal)), equal)
+                  common.record(vars(args), dict(rows=rows, answers_equal=equal, max_ll_diff=worst)), equal)
 
 
 def argparse_hidden() -> str:
