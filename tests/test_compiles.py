@@ -135,3 +135,34 @@ def test_nested_calls_count_a_compile_once():
 def test_an_unwritable_folder_names_what_to_change(unconfigured):
     with pytest.raises(ValueError, match="compile_cache="):
         compiles.use_persistent_cache("/proc/no/such/folder")
+
+
+def test_engine_warm_up_compiles_what_a_like_batch_then_needs():
+    """warm_up on placeholder prompts of the batch's lengths: the real batch then compiles
+    nothing, gives the tokens of an engine that never warmed up, and the warm-up leaves no
+    request, page, cached prefix or running total behind."""
+    lm = tiny_lm()
+    prompts = [list(range(1, 21)), list(range(30, 63)), list(range(5, 14))]
+
+    def run(engine):
+        ids = [engine.submit(p, max_new_tokens=5, stop_token_ids=[]) for p in prompts]
+        out = engine.run()
+        return [out[i].token_ids for i in ids]
+
+    make = lambda: paxkv.Engine(lm, max_seqs=4, max_len=64, page_size=8)  # noqa: E731
+    want = run(make())
+    jax.clear_caches()  # as a new process: nothing compiled in memory
+    engine = make()
+    paid = engine.warm_up([len(p) for p in prompts], max_new_tokens=5)
+    assert paid.compiles + paid.cache_loads > 0
+    stats = engine.stats()
+    assert not engine.has_work() and not engine.table.requests
+    assert stats.free_pages == engine.cache.num_pages and stats.prefill_tokens == 0
+    assert stats.compiles.compiles + stats.compiles.cache_loads >= paid.compiles
+    before = (stats.compiles.compiles, stats.compiles.cache_loads)
+    assert run(engine) == want
+    after = engine.stats().compiles
+    assert (after.compiles, after.cache_loads) == before
+    engine.submit(prompts[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="before any request"):
+        engine.warm_up([4])

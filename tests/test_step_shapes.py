@@ -143,3 +143,11 @@ def test_warm_up_adds_its_compiles_to_the_stats():
     with counting(CompileStats()):
         paid = s.warm_up([], threads=1)
     assert paid == CompileStats() and s.stats.compiles == CompileStats()
+
+
+def test_a_record_it_cannot_write_never_fails_a_call(tmp_path):
+    """The record is a hint: a folder that cannot hold it (here a file) is skipped."""
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    s = remembering(str(blocked))
+    assert len(s.score(task(2))) > 0

@@ -23,10 +23,11 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from paxkv.cache.grouped import GroupedPagedCache
-from paxkv.core.compiles import CompileStats, metered, use_persistent_cache
+from paxkv.core.compiles import CompileStats, counting, metered, use_persistent_cache
 from paxkv.core.protocol import KVCache, check_model
 from paxkv.core.sampling import SamplingParams
 from paxkv.engine import accounting, policy
@@ -227,6 +228,38 @@ class Engine:
 
     def _result(self, req: Request) -> GenerationResult:
         return self.table.result(req, getattr(self.model, "decode", None))
+
+    @metered
+    def warm_up(self, prompt_lengths: Sequence[int], max_new_tokens: int = 4,
+                params: SamplingParams | None = None) -> CompileStats:
+        """Compiles the steps a batch of prompts of ``prompt_lengths`` tokens takes (its
+        prefill calls, its decode steps at each width it passes) before the first request, by
+        running that batch on placeholder tokens: for steady timings from the first real
+        batch, warm up with one like it. The results are dropped, every page returns, the
+        prefix cache forgets them, admission's growth projection and the running totals
+        restart (``compile_stats`` keeps what this paid). Returns what this paid.
+
+        Args:
+          prompt_lengths: one placeholder prompt of each length (distinct random tokens, so
+            no prompt is served from another's pages).
+          max_new_tokens: decode steps to run.
+          params: the sampling the real requests will use (the default: greedy).
+        """
+        if self.has_work():
+            raise ValueError("warm_up runs before any request: the engine has work queued or "
+                             "running (finish or cancel it first)")
+        paid = CompileStats()
+        with counting(paid):
+            rng = np.random.default_rng(0)
+            p = SamplingParams.of(params, max_new_tokens=max_new_tokens, stop_token_ids=[])
+            for n in prompt_lengths:
+                self.submit(rng.integers(0, self.model.vocab_size, int(n)).tolist(), p)
+            self.run()  # hands every result out: the table keeps none of them
+            self.clear_prefix_cache()
+        self.counters.reset()
+        self.ops.reset_counts()
+        self.scheduler.growth.reset()
+        return paid
 
     # -- sharing and accounting -----------------------------------------------------------
     @metered

@@ -52,6 +52,10 @@ class Growth:
     def __post_init__(self) -> None:
         self.ratio = self.start
 
+    def reset(self) -> None:
+        """Back to ``start`` (a new workload: :meth:`paxkv.Engine.warm_up`'s end)."""
+        self.ratio = self.start
+
     def stepped(self) -> None:
         self.ratio = max(self.floor, self.ratio - (self.start - self.floor) / self.decay_steps)
 

@@ -110,10 +110,10 @@ class Scorer:
         planners prefer them (:mod:`paxkv.scoring.shapes`).
 
         Args:
-          shapes: :class:`~paxkv.scoring.shapes.StepShape` s, or their JSON: what a scorer of
-            the same model and layout ran (``other.shapes.shapes()``; with the persistent
-            compilation cache populated, each is a load, not a compile).
-          threads: compiles at once (XLA compiles off the interpreter lock).
+          shapes: :class:`~paxkv.scoring.shapes.StepShape` s, or their JSON: what a scorer
+            of the same model and layout ran (``other.programs.shapes.shapes()``; with the
+            persistent compilation cache populated, each is a load, not a compile).
+          threads: compiles at once (on 2 CPU cores no faster than 1: XLA uses both).
 
         Returns:
           what the compiles cost (also added to ``stats.compiles``).

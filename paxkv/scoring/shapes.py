@@ -228,9 +228,13 @@ class Programs:
                 self.shapes.adopt(s)
 
     def save(self) -> None:
-        """Adds the programs run so far to the folder's record (nothing without a folder)."""
+        """Adds the programs run so far to the folder's record (nothing without a folder; a
+        folder it cannot write is skipped: the record is a hint, never needed)."""
         if self.folder:
-            remember(self.folder, self.key, self.shapes.shapes())
+            try:
+                remember(self.folder, self.key, self.shapes.shapes())
+            except OSError:
+                pass
 
     @property
     def width_limit(self) -> int | None:
