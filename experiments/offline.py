@@ -73,12 +73,13 @@ def _paxkv_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 def _step_variants() -> dict[str, int]:
     """Compiled variants of each jitted engine step so far (shapes x static plans)."""
-    from paxkv.engine import cache_ops
     from paxkv.core import steps
+    from paxkv.engine import cache_ops
+    from paxkv.prefix import holds
 
     fns = dict(prefill_step=steps.prefill_step, decode_step=steps.decode_step,
                release_rows=cache_ops.release_rows, fork_rows=cache_ops.fork_rows,
-               attach_rows=cache_ops.attach_rows, retain_pages=cache_ops.retain_pages)
+               attach_rows=holds.attach_rows, retain_pages=holds.retain_pages)
     return {name: fn._cache_size() for name, fn in fns.items()}
 
 

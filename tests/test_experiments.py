@@ -205,3 +205,14 @@ def test_window_capacity_releases_pages_leaks_none_and_agrees(tmp_path, monkeypa
     hit = shared["released + prefix cache"]["hit_tokens"]  # the system prompt, every request
     assert hit >= (12 - 1) * 2 * 16 - 4, hit  # but the first (2 windows of 16; pages of 4)
     assert shared["released, no prefix cache"]["hit_tokens"] == 0
+
+
+def test_offline_counts_each_engine_step_variant():
+    """The offline workload's compile count names each jitted engine step where it lives
+    (attach_rows and retain_pages moved to paxkv.prefix.holds; the run failed at its end)."""
+    from experiments import offline
+
+    variants = offline._step_variants()
+    assert set(variants) == {"prefill_step", "decode_step", "release_rows", "fork_rows",
+                             "attach_rows", "retain_pages"}
+    assert all(isinstance(n, int) and n >= 0 for n in variants.values())
