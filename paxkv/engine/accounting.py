@@ -9,6 +9,7 @@ import jax
 
 from paxkv.cache.grouped import GroupedPagedCache
 from paxkv.core.compiles import CompileStats
+from paxkv.prefix.host_tier import HostStats
 from paxkv.prefix.index import Hit
 from paxkv.scale.distributed import gather
 
@@ -113,6 +114,8 @@ class EngineStats:
         are group 0's, the group admission counts.
       sequences: per request id, the rows' :class:`SequenceStats`.
       compiles: what the engine's calls paid for compiles (:mod:`paxkv.core.compiles`).
+      host: the prefix cache's host tier (:class:`paxkv.prefix.host_tier.HostStats`: pages
+        and bytes held, hit tokens, pages and seconds copied each way), None without one.
     """
 
     num_pages: int
@@ -140,6 +143,7 @@ class EngineStats:
     groups: tuple[GroupStats, ...]
     sequences: dict[int, SequenceStats]
     compiles: CompileStats = dataclasses.field(default_factory=CompileStats)
+    host: HostStats | None = None
 
     @property
     def available_pages(self) -> int:
@@ -182,7 +186,8 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any,
         kv_bytes_used=kv_bytes_used(cache, used),
         peak_kv_bytes_used=max(ops.peak_kv_bytes, kv_bytes_used(cache, used)),
         groups=group_stats(cache, used), sequences=seqs,
-        compiles=dataclasses.replace(compiles or CompileStats()))
+        compiles=dataclasses.replace(compiles or CompileStats()),
+        host=index.host.stats() if hasattr(index, "host") else None)
 
 
 def reclaimable(index: Any) -> int:

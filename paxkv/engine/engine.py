@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from paxkv.cache.grouped import GroupedPagedCache
 from paxkv.core.compiles import CompileStats, counting, metered, use_persistent_cache
 from paxkv.core.protocol import KVCache, check_model
 from paxkv.core.sampling import SamplingParams
@@ -35,10 +34,10 @@ from paxkv.engine.accounting import Counters, EngineStats, SequenceStats
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.lifecycle import Lifecycle
 from paxkv.engine.policy import Growth, Shapes
-from paxkv.engine.prefix_sharing import SharedPrefixes, WindowPrefixes
 from paxkv.engine.requests import GenerationResult, Request, RequestTable, StepOutput
 from paxkv.engine.rows import RowState
 from paxkv.engine.scheduler import Scheduler
+from paxkv.engine import setup
 from paxkv.engine.setup import build_cache, place_model, token_ids
 
 __all__ = ["Engine", "EngineStats", "GenerationResult", "SequenceStats", "StepOutput"]
@@ -79,6 +78,11 @@ class Engine:
         the weights split over ``model`` (:func:`paxkv.engine.setup.place_model`). None: one
         device. Across processes (:func:`paxkv.scale.distributed.process_mesh`): every process
         builds the same engine and makes the same calls in the same order.
+      host_cache_bytes: a host-memory tier under the prefix cache (one-device paged cache):
+        pages evicted for room are copied to host memory within this many bytes and copied
+        back, instead of prefilled, when a prompt runs past the device's cached chain
+        (:mod:`paxkv.prefix.host_tier`; 0 = off). ``stats().host`` reports it; ``host_ttl_s``
+        drops host pages unused for that long. :meth:`pin_prefix` keeps a prefix in either.
       compile_cache: JAX's persistent compilation cache, so a new process loads the steps an
         earlier one compiled (:func:`paxkv.core.compiles.use_persistent_cache`): None, the
         user's cache folder (``$PAXKV_COMPILE_CACHE`` moves it or, "off", turns it off); a
@@ -92,7 +96,8 @@ class Engine:
                  prefill_chunk: int = 512, prefill_tokens: int = 4096, scrub: bool = True,
                  prefix_cache: bool | None = None, growth: Growth | None = None,
                  shapes: Shapes | None = None, mesh: Mesh | None = None,
-                 compile_cache: str | bool | None = None):
+                 compile_cache: str | bool | None = None, host_cache_bytes: int = 0,
+                 host_ttl_s: float | None = None):
         check_model(model)
         self.compile_cache = use_persistent_cache(compile_cache)  # before the first compile
         self.compile_stats = CompileStats()
@@ -101,21 +106,11 @@ class Engine:
                          attention_impl=attention_impl, scrub=scrub, mesh=mesh,
                          step_tokens=prefill_tokens, prefix_cache=prefix_cache is not False,
                          step_rows=policy.most_prefill_rows(prefill_chunk, prefill_tokens))
-        if prefix_cache and not kv.shares_pages:
-            raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared): "
-                             "pass prefix_cache=False or cache='paged'")
         self.model = place_model(model, mesh)
         self.table = RequestTable(kv.max_seqs)
         self.ops = CacheOps(kv, None if isinstance(cache, KVCache) else max_len)
-        blind = isinstance(kv, GroupedPagedCache) and len(kv.groups.windows) > 1 \
-            and not kv.index_pages  # an index that may keep no window page never hits
-        if prefix_cache and blind:
-            raise ValueError("this grouped cache keeps no page for a prefix index in its window "
-                             "groups: build it with paxkv.cache.grouped.create(..., index_pages="
-                             "paxkv.cache.layer_groups.prefix_index_pages(...)) or pass prefix_cache=False")
-        use_index = kv.shares_pages and not blind if prefix_cache is None else prefix_cache
-        kind = WindowPrefixes if isinstance(kv, GroupedPagedCache) else SharedPrefixes
-        self.prefixes = kind(self.ops, kv.page_size) if use_index else None
+        self.prefixes = setup.prefix_cache(self.ops, prefix_cache, host_ttl_s=host_ttl_s,
+                                           host_cache_bytes=host_cache_bytes)
         self.counters = Counters()
         rows, growth = RowState(self.table), growth or Growth()
         self.lifecycle = Lifecycle(self.model, self.table, rows, self.ops, self.prefixes,
@@ -258,6 +253,8 @@ class Engine:
             self.clear_prefix_cache()
         self.counters.reset()
         self.ops.reset_counts()
+        if hasattr(self.prefixes, "host"):
+            self.prefixes.host.reset_counts()
         self.scheduler.growth.reset()
         return paid
 
@@ -267,6 +264,24 @@ class Engine:
         """Drops every cached page's index reference; returns how many pages the index held
         (those no running request holds are free at once)."""
         return 0 if self.prefixes is None else self.prefixes.clear()
+
+    def pin_prefix(self, prompt_ids: Sequence[int], *,
+                   cache_salt: str | bytes | None = None) -> int:
+        """Keeps the cached full pages of ``prompt_ids`` (``cache_salt``'s), now or once
+        cached, from eviction (and, with a host tier, from being dropped there) until
+        :meth:`unpin_prefix` or :meth:`clear_prefix_cache`; returns how many pages it names."""
+        return len(self._prefix_cache("pin_prefix").pin(token_ids(prompt_ids), cache_salt))
+
+    def unpin_prefix(self, prompt_ids: Sequence[int], *,
+                     cache_salt: str | bytes | None = None) -> int:
+        """Lets :meth:`pin_prefix`'s pages go again (least recently used first)."""
+        return len(self._prefix_cache("unpin_prefix").unpin(token_ids(prompt_ids), cache_salt))
+
+    def _prefix_cache(self, what: str) -> Any:
+        if self.prefixes is None or not hasattr(self.prefixes, "pin"):
+            raise ValueError(f"{what} needs the prefix cache of a paged cache without window "
+                             "groups: build the engine with prefix_cache=True")
+        return self.prefixes
 
     @metered
     def stats(self) -> EngineStats:

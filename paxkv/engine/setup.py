@@ -20,6 +20,9 @@ from paxkv.cache import grouped, layer_groups
 from paxkv.cache import paged as paged_cache
 from paxkv.core import buckets
 from paxkv.core.protocol import KVCache
+from paxkv.engine.cache_ops import CacheOps
+from paxkv.engine.prefix_sharing import SharedPrefixes, TieredPrefixes, WindowPrefixes
+from paxkv.prefix.host_tier import HostTier
 from paxkv.scale import mesh as pmesh
 from paxkv.scale import sharded_cache, tensor_parallel
 
@@ -84,6 +87,39 @@ def build_cache(model: Any, cache: str | KVCache, *, max_seqs: int | None, max_l
     raise ValueError(f"cache must be 'paged', 'dense' or a KVCache, got {cache!r}")
 
 
+def prefix_cache(ops: CacheOps, prefix_cache: bool | None, *, host_cache_bytes: int = 0,
+                 host_ttl_s: float | None = None) -> SharedPrefixes | None:
+    """The engine's prefix cache over ``ops``' cache (``prefix_cache``: the engine's argument;
+    None = on where pages can be shared and a window group keeps index pages), with a host tier
+    of ``host_cache_bytes`` under it (:class:`~paxkv.engine.prefix_sharing.TieredPrefixes`)."""
+    kv = ops.cache
+    host_cache_bytes = check_size("host_cache_bytes", host_cache_bytes, minimum=0)
+    if prefix_cache and not kv.shares_pages:
+        raise ValueError("prefix_cache needs a paged cache (a dense row cannot be shared): "
+                         "pass prefix_cache=False or cache='paged'")
+    blind = isinstance(kv, grouped.GroupedPagedCache) and len(kv.groups.windows) > 1 \
+        and not kv.index_pages  # an index that may keep no window page never hits
+    if prefix_cache and blind:
+        raise ValueError("this grouped cache keeps no page for a prefix index in its window "
+                         "groups: build it with paxkv.cache.grouped.create(..., index_pages="
+                         "paxkv.cache.layer_groups.prefix_index_pages(...)) or pass prefix_cache=False")
+    use_index = kv.shares_pages and not blind if prefix_cache is None else prefix_cache
+    if host_cache_bytes and not (use_index and isinstance(kv, paged_cache.PagedCache)):
+        raise ValueError("host_cache_bytes needs the prefix cache on a one-device paged cache "
+                         "with no window groups (this one: "
+                         f"{type(kv).__name__}, prefix cache {'on' if use_index else 'off'}): "
+                         "pass host_cache_bytes=0, or cache='paged' without a mesh")
+    if not use_index:
+        return None
+    if isinstance(kv, grouped.GroupedPagedCache):
+        return WindowPrefixes(ops, kv.page_size)
+    if host_cache_bytes:
+        page = kv.kv_bytes_per_page
+        return TieredPrefixes(ops, kv.page_size,
+                              HostTier(host_cache_bytes // page, page, ttl_s=host_ttl_s))
+    return SharedPrefixes(ops, kv.page_size)
+
+
 def place_model(model: Any, mesh: Mesh | None) -> Any:
     """``model`` with its params on ``mesh`` (None: ``model`` unchanged): replicated on a
     ``(data, 1)`` mesh, split by :data:`paxkv.scale.tensor_parallel.LLAMA_RULES` on a model axis,
@@ -107,15 +143,15 @@ def place_model(model: Any, mesh: Mesh | None) -> Any:
                          "rules), or use a (data, 1) mesh") from e
 
 
-def check_size(name: str, value: Any) -> int:
-    """``value`` as a Python int >= 1 (a numpy integer is fine); a ``ValueError`` naming
-    ``name`` otherwise. The one size check of every entry point's arguments."""
+def check_size(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` as a Python int >= ``minimum`` (a numpy integer is fine); a ``ValueError``
+    naming ``name`` otherwise. The one size check of every entry point's arguments."""
     try:
         size = operator.index(value)
     except TypeError:
-        size = 0
-    if size < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        size = minimum - 1
+    if size < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return size
 
 

@@ -12,16 +12,15 @@ on every hit, so a hash collision can never serve another prefix's KV::
     root(salt) -- d0:p4 -- d1:p9 -- d2:p1      one prompt's chain
                       \\-- d1':p12              another continuation of the same first page
 
-The index holds one reference on every page it names (:func:`paxkv.table.page_table.retain`, done by
-the caller with the page ids this module returns), so cached pages outlive the sequences that
-wrote them. A lookup returns the longest chain of full pages and, past it, optionally a
-*partial* hit: a cached child page whose first ``r < page_size`` tokens match. A sequence
-attached to that page owns only those ``r`` slots and copies the page before its first write
-(copy-on-write in :func:`paxkv.table.page_table.reserve`), so a shared prefix that ends mid-page is
-still reused to the token.
+The index holds one reference on every page it names (the caller's
+:func:`paxkv.table.page_table.retain`), so cached pages outlive their writers. A lookup
+returns the longest chain of full pages and, past it, optionally a *partial* hit: a cached
+child page whose first ``r < page_size`` tokens match. A sequence attached to it owns only
+those ``r`` slots and copies it before its first write (copy-on-write in
+:func:`paxkv.table.page_table.reserve`): a shared prefix ending mid-page is reused to the token.
 
-Eviction drops chain tails (leaves) whose only holder is the index, least recently used first.
-Everything here is plain Python on the host; nothing is traced.
+Eviction drops chain tails (leaves) whose only holder is the index, least recently used first
+(:attr:`PrefixIndex.dropped` says what, for the host tier). Plain host Python; nothing traced.
 """
 
 from __future__ import annotations
@@ -51,9 +50,8 @@ class Hit:
     """A lookup's answer: attach ``pages`` (in order) to hold ``num_tokens`` tokens.
 
     Attributes:
-      pages: the full pages of the chain, then the partial page if there is one.
+      pages: the chain's full pages (``num_full`` of them), then the partial page if any.
       num_tokens: tokens the pages serve (``num_full * page_size`` plus the partial match).
-      num_full: how many of ``pages`` are full matches.
     """
 
     pages: tuple[int, ...] = ()
@@ -67,8 +65,7 @@ class Hit:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One cached page as the tests see it: its tokens, its parent's page (-1 for a first
-    page), its salt and the digest chain link."""
+    """One cached page (for tests): tokens, parent's page (-1: a first page), salt, link."""
 
     page: int
     tokens: tuple[int, ...]
@@ -78,7 +75,11 @@ class Entry:
     parent_digest: bytes
 
 
-def _salt_bytes(salt: str | bytes | None) -> bytes:
+def root_digest(salt: bytes) -> bytes:
+    return hashlib.sha256(b"paxkv-root" + salt).digest()
+
+
+def salt_bytes(salt: str | bytes | None) -> bytes:
     if salt is None:
         return b""
     return salt.encode() if isinstance(salt, str) else bytes(salt)
@@ -98,8 +99,7 @@ class PrefixIndex:
     Args:
       page_size: tokens per page.
 
-    Counters (for accounting): ``lookup_tokens`` and ``hit_tokens`` (prompt tokens looked up
-    and served), ``inserted`` and ``evicted`` pages.
+    Counters: ``lookup_tokens``, ``hit_tokens`` (looked up, served), ``inserted``, ``evicted``.
     """
 
     def __init__(self, page_size: int):
@@ -109,8 +109,7 @@ class PrefixIndex:
         self._roots: dict[bytes, _Node] = {}
         self._nodes: dict[bytes, _Node] = {}  # digest -> node
         self._by_page: dict[int, _Node] = {}
-        self._clock = 0
-        self.lookup_tokens = self.hit_tokens = self.inserted = self.evicted = 0
+        self._clock = self.lookup_tokens = self.hit_tokens = self.inserted = self.evicted = 0
 
     def __len__(self) -> int:
         """Pages the index holds (one reference each)."""
@@ -122,19 +121,22 @@ class PrefixIndex:
     def pages(self) -> list[int]:
         return sorted(self._by_page)
 
+    def page_of(self, digest: bytes) -> int | None:
+        node = self._nodes.get(digest)
+        return None if node is None else node.page
+
     # -- hashing --------------------------------------------------------------------------
     def _root(self, salt: bytes, create: bool) -> _Node | None:
         root = self._roots.get(salt)
         if root is None and create:
-            root = _Node(hashlib.sha256(b"paxkv-root" + salt).digest(), -1, (), None, 0)
+            root = _Node(root_digest(salt), -1, (), None, 0)
             self._roots[salt] = root
         return root
 
     def digests(self, tokens: Sequence[int], salt: str | bytes | None = None) -> list[bytes]:
         """The chained digests of every full page of ``tokens``."""
-        salt, ps = _salt_bytes(salt), self.page_size
-        parent = hashlib.sha256(b"paxkv-root" + salt).digest()
-        out = []
+        salt, ps = salt_bytes(salt), self.page_size
+        parent, out = root_digest(salt), []
         for i in range(len(tokens) // ps):
             parent = _link(parent, salt, tokens[i * ps:(i + 1) * ps])
             out.append(parent)
@@ -146,7 +148,7 @@ class PrefixIndex:
         """The longest cached prefix of ``tokens[:max_tokens]``; touches the pages it returns
         (LRU). Pure lookup: the caller attaches the pages and records the hit
         (:meth:`record`)."""
-        salt, ps = _salt_bytes(salt), self.page_size
+        salt, ps = salt_bytes(salt), self.page_size
         limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
         node = self._root(salt, create=False)
         if node is None or limit <= 0:
@@ -178,8 +180,7 @@ class PrefixIndex:
 
     def record(self, looked_up: int, hit: int) -> None:
         """Counts one admitted lookup: ``looked_up`` prompt tokens, ``hit`` of them cached."""
-        self.lookup_tokens += looked_up
-        self.hit_tokens += hit
+        self.lookup_tokens, self.hit_tokens = self.lookup_tokens + looked_up, self.hit_tokens + hit
 
     @property
     def hit_rate(self) -> float:
@@ -194,7 +195,7 @@ class PrefixIndex:
         stops at a page the index already names elsewhere. Returns the pages newly indexed:
         the caller must ``retain`` each once.
         """
-        salt, ps = _salt_bytes(salt), self.page_size
+        salt, ps = salt_bytes(salt), self.page_size
         node = self._root(salt, create=True)
         self._clock += 1
         new = []
@@ -233,10 +234,12 @@ class PrefixIndex:
                 if evictable(n)]
         heapq.heapify(heap)
         out: list[int] = []
+        self.dropped = []  # (digest, parent digest, tokens, position) of each page dropped
         while heap and len(out) < num:
             node = heapq.heappop(heap)[-1]
             self._remove(node)
             out.append(node.page)
+            self.dropped.append((node.digest, node.parent.digest, node.tokens, node.depth - 1))
             parent = node.parent
             if parent is not None and evictable(parent):
                 heapq.heappush(heap, (parent.last_used, -parent.depth, parent.page, parent))
@@ -244,10 +247,9 @@ class PrefixIndex:
         return out
 
     def evictable(self, ref_counts: np.ndarray, protect: Sequence[int] = ()) -> int:
-        """How many pages :meth:`evict` could drop now, rounds of tails included: those only
-        the index holds (``ref_counts[p] == 1``), not in ``protect``, with nothing below them
-        in the tree that someone else holds or that is protected (a chain may continue in
-        another sequence's page). The room eviction can make, without making it."""
+        """How many pages :meth:`evict` could drop now, rounds of tails included: only the
+        index holds them (``ref_counts[p] == 1``), not in ``protect``, nothing held or
+        protected below them (a chain may go on in another's page). Evicts nothing."""
         refs, protect = ref_counts, set(int(p) for p in protect)  # an array, or a mapping
         order, stack = [], list(self._roots.values())
         while stack:  # pre-order: each node before its children
