@@ -11,7 +11,8 @@ after), and one rule cancels ``n > 1`` requests while their samples run. At the 
 run every page is free once the prefix cache is cleared, and every request's tokens equal a
 reference run of the same request (its prompt, settings and key) in an engine of the same
 shapes without the prefix cache, two requests at a time (never preempted): a cancelled or
-forked request's tokens are a prefix of it. The last test is a soak: 10,000 requests through
+forked request's tokens are a prefix of it. The machine runs again with a host tier under the
+prefix cache (:class:`HostTierMachine`). The last test is a soak: 10,000 requests through
 one engine, with host memory and compiled step variants bounded.
 """
 
@@ -61,11 +62,13 @@ def _lm():
 
 
 class EngineMachine(RuleBasedStateMachine):
+    HOST_BYTES = 0  # the prefix cache's host tier (HostTierMachine)
+
     @initialize()
     def start(self):
         self.engine = paxkv.Engine(_lm(), max_seqs=MAX_SEQS, max_len=MAX_LEN,
                                    page_size=PAGE_SIZE, num_pages=NUM_PAGES, prefill_chunk=16,
-                                   prefill_tokens=32)
+                                   prefill_tokens=32, host_cache_bytes=self.HOST_BYTES)
         self.specs: dict[int, Spec] = {}
         self.children: dict[int, list[int]] = {}
         self.results: dict[int, paxkv.GenerationResult] = {}
@@ -239,6 +242,8 @@ class EngineMachine(RuleBasedStateMachine):
         self._note()
         self.engine.clear_prefix_cache()
         assert int(self.engine.cache.free_pages()) == NUM_PAGES, "a leaked page"
+        host = self.engine.stats().host
+        assert host is None or (host.pages, host.bytes, host.in_flight) == (0, 0, 0), host
         assert not self.engine.table.requests, "a request was never handed out"
         self._check_against_reference()
 
@@ -281,13 +286,41 @@ class EngineMachine(RuleBasedStateMachine):
                 assert res.token_ids == expected, (rid, res.finish_reason)
 
 
-def run_machine() -> int:
-    """Runs the state machine (derandomized: the same examples every run); returns how many
+class HostTierMachine(EngineMachine):
+    """The machine with a host tier of 12 pages under its 26-page pool: evictions copy pages
+    out, lookups copy them back (a cancel may follow at once), the host budget runs out and
+    drops its least recent pages; tokens still equal the reference's."""
+
+    HOST_BYTES = 12 * 2 * 2 * PAGE_SIZE * 16 * 4  # 12 pages: K+V x 2 layers x 4 x 16 float32
+
+    @precondition(lambda self: self.specs)
+    @rule(data=st.data(), more=st.lists(st.integers(8, 255), min_size=1, max_size=12),
+          max_new=st.integers(1, 6), seed=st.integers(0, 2**16))
+    def come_back(self, data, more, max_new, seed):
+        """An earlier request's prompt and tokens again, extended: a returning agent, whose
+        pages may have gone to the host tier since."""
+        rid = data.draw(st.sampled_from(sorted(self.specs)))
+        done = self.results.get(rid)
+        prompt = list(self.specs[rid].prompt) + (done.token_ids if done else [])
+        key = jax.random.key_data(jax.random.PRNGKey(seed))
+        self.engine.submit((prompt + more)[:MAX_LEN - max_new], max_new_tokens=max_new,
+                           key=key)
+        self._note()
+
+    @invariant()
+    def host_tier_within_its_budget(self):
+        host = self.engine.stats().host
+        assert host.capacity_pages == 12 and host.pages <= 12, host
+        assert host.bytes == host.pages * self.engine.cache.kv_bytes_per_page
+
+
+def run_machine(machine: type = EngineMachine, examples: int = 45) -> int:
+    """Runs a state machine (derandomized: the same examples every run); returns how many
     operations it did."""
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
     OPS["count"] = 0
-    run_state_machine_as_test(EngineMachine, settings=settings(
-        max_examples=45, stateful_step_count=60, deadline=None, derandomize=True,
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=examples, stateful_step_count=60, deadline=None, derandomize=True,
         database=None, suppress_health_check=list(HealthCheck)))
     return OPS["count"]
 
@@ -313,6 +346,21 @@ def test_engine_state_machine():
     # What catches a cancel that leaves samples running: 60 here (the derandomized examples are
     # seeded by EngineMachine's source, so an edit there moves it: 14 to 79 over random seeds).
     assert cancels >= 10, cancels
+
+
+@pytest.mark.slow  # ~1 minute
+def test_engine_state_machine_with_a_host_tier():
+    """The machine again with the prefix cache's host tier (:class:`HostTierMachine`, returning
+    requests among its rules): >= 800 operations, 0 invariant breaks, every page free and the
+    host tier empty once cleared, tokens equal to the reference's; its own process, as above."""
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_engine_machine as t; "
+            "print('operations:', t.run_machine(t.HostTierMachine, 15))")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1200, env=dict(os.environ, XLA_FLAGS=flags))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    ops = int(re.search(r"operations: (\d+)", proc.stdout).group(1))
+    assert ops >= 800, ops
 
 
 def _resident_kib() -> int:

@@ -1,0 +1,247 @@
+"""The prefix cache's host tier (issue 33): pages evicted for room go to host memory and come
+back on a later hit instead of a prefill, with tokens identical to an engine without the tier.
+
+Agents share a system prompt and keep private histories that grow over turns, through a pool
+far smaller than all histories: without the tier every returning history is prefilled again.
+Device and host pools are NaN-poisoned where they hold nothing, so a stray read shows in the
+tokens. The tier's own bookkeeping (LRU over leaves, pins, time-to-live) is tested on
+:class:`paxkv.prefix.host_tier.HostTier` directly with a fake clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paxkv
+from paxkv.cache import paged
+from paxkv.prefix.host_tier import HostTier
+from paxkv.prefix.index import root_digest
+from tiny import tiny_lm
+
+PAGE, MAX_LEN, PAGES, ROWS = 8, 256, 40, 2
+
+
+def _lm():
+    return tiny_lm(scale=1.0)
+
+
+def _engine(host_bytes: int, *, poison: bool = True, **kw) -> paxkv.Engine:
+    lm = _lm()
+    cfg = lm.config
+    cache = paged.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, num_pages=PAGES, page_size=PAGE, max_seqs=ROWS,
+                         max_len=MAX_LEN, fill=float("nan") if poison else 0.0,
+                         attention_impl="xla")
+    e = paxkv.Engine(lm, cache=cache, prefill_chunk=64, host_cache_bytes=host_bytes, **kw)
+    if host_bytes and poison:  # the host pool too: only slots a copy filled may be read
+        host = e.prefixes.host
+        host.arrays = [np.full((host.capacity, a.shape[0]) + a.shape[2:], np.nan, a.dtype)
+                       for a in e.cache.pool.arrays()]
+    return e
+
+
+def _agents(engine: paxkv.Engine, *, agents: int = 6, turns: int = 3, seed: int = 0,
+            temperature: float = 0.0, salts: list | None = None) -> list[list[int]]:
+    """Each agent's reply per turn: a shared 40-token system prompt, a private 60-token task,
+    then per turn its reply and a 10-token tool result appended."""
+    rng = np.random.default_rng(seed)
+    system = [int(t) for t in rng.integers(10, 250, 40)]
+    hist = [system + [int(t) for t in rng.integers(10, 250, 60)] for _ in range(agents)]
+    out = []
+    for turn in range(turns):
+        ids = [engine.submit(h, max_new_tokens=6, stop_token_ids=[], temperature=temperature,
+                             key=np.array([seed, turn * 100 + i], np.uint32),
+                             cache_salt=None if salts is None else salts[i])
+               for i, h in enumerate(hist)]
+        res = engine.run()
+        for i, rid in enumerate(ids):
+            out.append(res[rid].token_ids)
+            hist[i] = hist[i] + res[rid].token_ids + [int(t) for t in rng.integers(10, 250, 10)]
+    return out
+
+
+def _no_leaks(engine: paxkv.Engine) -> None:
+    engine.clear_prefix_cache()
+    assert int(engine.cache.free_pages()) == PAGES, "a leaked device page"
+    host = engine.stats().host
+    if host is not None:
+        assert host.pages == 0 and host.bytes == 0 and host.in_flight == 0, host
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_tokens_identical_with_the_tier_and_far_fewer_prefilled(temperature):
+    off, on = _engine(0), _engine(1 << 20)
+    want = _agents(off, temperature=temperature)
+    got = _agents(on, temperature=temperature)
+    assert got == want
+    s_off, s_on = off.stats(), on.stats()
+    host = s_on.host
+    assert s_off.host is None and s_off.evictions > 0  # the pool is far too small for all
+    assert host.copy_out_pages > 0 and host.copy_in_pages > 0 and host.hit_tokens > 0
+    # every returning history comes back from host: only new tokens (and a page's worth of
+    # tail each) are prefilled
+    assert s_on.prefill_tokens <= 0.5 * s_off.prefill_tokens, (s_on.prefill_tokens,
+                                                               s_off.prefill_tokens)
+    assert host.bytes == host.pages * on.cache.kv_bytes_per_page <= host.capacity_bytes
+    _no_leaks(on)
+    _no_leaks(off)
+
+
+def test_a_small_host_budget_drops_least_recent_pages_and_stays_exact():
+    want = _agents(_engine(0))
+    e = _engine(12 * _engine(0).cache.kv_bytes_per_page)  # 12 host pages for ~100 evicted
+    assert _agents(e) == want
+    host = e.stats().host
+    assert host.capacity_pages == 12 and host.pages <= 12 and host.dropped > 0
+    assert host.hit_tokens > 0
+    _no_leaks(e)
+
+
+def test_salts_are_isolated_across_both_tiers():
+    e = _engine(1 << 20)
+    _agents(e, agents=4, turns=2, salts=["a"] * 4)
+    assert e.stats().host.hit_tokens > 0
+    rng = np.random.default_rng(0)  # agent 0's first prompt, cached by tenant a
+    prompt = [int(t) for t in rng.integers(10, 250, 40)] + [int(t) for t in
+                                                            rng.integers(10, 250, 60)]
+    for salt, served in (("b", False), ("a", True)):
+        before = e.stats()
+        e.submit(prompt, max_new_tokens=2, stop_token_ids=[], cache_salt=salt)
+        e.run()
+        after = e.stats()
+        hit = after.prefix_hit_tokens - before.prefix_hit_tokens
+        from_host = after.host.hit_tokens - before.host.hit_tokens
+        assert (hit > 0) == served and (from_host > 0 or not served) and (
+            served or from_host == 0), (salt, hit, from_host)
+    _no_leaks(e)
+
+
+def test_cancel_right_after_a_copy_back_returns_every_page():
+    e = _engine(1 << 20, prefill_tokens=64)
+    _agents(e, agents=6, turns=1)  # histories on host now
+    rng = np.random.default_rng(0)
+    system = [int(t) for t in rng.integers(10, 250, 40)]
+    first = system + [int(t) for t in rng.integers(10, 250, 60)]  # agent 0's history
+    before = e.stats().host.copy_in_pages
+    rid = e.submit(first + list(range(20, 120)), max_new_tokens=4, stop_token_ids=[])
+    e.step()  # admitted: pages copied back, the rest prefilled, a first token
+    assert e.stats().host.copy_in_pages > before
+    req = e.table.requests[rid]
+    assert req.row is not None and req.finish_reason is None  # running on restored pages
+    e.cancel(rid)
+    assert req.row is None and req.finish_reason == "cancelled"
+    assert e.run()[rid].finish_reason == "cancelled"
+    _no_leaks(e)
+
+
+def test_a_pinned_prefix_outlives_a_flood():
+    e = _engine(0)
+    rng = np.random.default_rng(3)
+    keep = [int(t) for t in rng.integers(10, 250, 48)]
+    e.submit(keep + [1], max_new_tokens=2, stop_token_ids=[])
+    e.run()
+    assert e.pin_prefix(keep) == 48 // PAGE
+    for _ in range(8):  # each fills most of the pool, evicting everything not pinned
+        e.submit([int(t) for t in rng.integers(10, 250, 200)], max_new_tokens=2,
+                 stop_token_ids=[])
+        e.run()
+    e.submit(keep + [2], max_new_tokens=2, stop_token_ids=[])
+    e.run()
+    assert e.stats().prefix_hit_tokens == 48  # the only hit so far
+    e.unpin_prefix(keep)
+    for _ in range(3):
+        e.submit([int(t) for t in rng.integers(10, 250, 200)], max_new_tokens=2,
+                 stop_token_ids=[])
+        e.run()
+    e.submit(keep + [3], max_new_tokens=2, stop_token_ids=[])
+    e.run()
+    assert e.stats().prefix_hit_tokens == 48  # unpinned: evicted like any other
+    with pytest.raises(ValueError, match="past half the pool"):
+        e.pin_prefix(list(range(PAGES * PAGE)))
+    _no_leaks(e)
+
+
+def test_bad_host_arguments_name_the_fix():
+    lm = _lm()
+    with pytest.raises(ValueError, match="host_cache_bytes"):
+        paxkv.Engine(lm, cache="dense", max_seqs=2, max_len=64, host_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="host_cache_bytes must be an int >= 0"):
+        paxkv.Engine(lm, max_seqs=2, max_len=64, host_cache_bytes=-1)
+    with pytest.raises(ValueError, match="raise host_cache_bytes"):
+        paxkv.Engine(lm, max_seqs=2, max_len=64, host_cache_bytes=10)
+    with pytest.raises(ValueError, match="prefix_cache=True"):
+        paxkv.Engine(lm, max_seqs=2, max_len=64, prefix_cache=False).pin_prefix([1, 2, 3])
+
+
+# -- the tier's own bookkeeping ------------------------------------------------------------
+def _chain(salt: bytes, pages: list[tuple[int, ...]]) -> list[tuple[bytes, bytes, tuple, int]]:
+    parent, out = root_digest(salt), []
+    for i, tokens in enumerate(pages):
+        digest = hashlib.sha256(parent + salt + bytes(tokens)).digest()
+        out.append((digest, parent, tokens, i))
+        parent = digest
+    return out
+
+
+def _put(tier: HostTier, pages: list, start: float = 0.0) -> list[int]:
+    """Puts ``pages`` with K/V column j holding the value j + start."""
+    n = len(pages)
+    data = jnp.broadcast_to(jnp.arange(n, dtype=jnp.float32)[None, :, None] + start, (2, n, 3))
+    return tier.put(pages, (data, data))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lru_drops_leaves_only_so_every_entry_stays_reachable():
+    tier = HostTier(4, 100)
+    a = _chain(b"", [(1,), (2,), (3,)])
+    b = _chain(b"", [(9,), (8,), (7,)])
+    assert _put(tier, a[::-1]) == [0, 1, 2]  # evicted tail first, as the device drops them
+    assert _put(tier, b[::-1]) == [0, 1, 2]  # room by dropping a's leaves, deepest first
+    assert len(tier) == 4 and tier.stats().dropped == 2
+    held = {d for d, *_ in a + b if d in tier}
+    for digest, parent, *_ in a + b:  # a held entry's parent is held, or the root
+        assert digest not in held or parent in held or parent == root_digest(b"")
+    found = tier.match([d for d, *_ in a], [1, 2, 3], 1, 0, root_digest(b""))
+    assert found == [a[0][0]]  # a's first page only: its tail went
+    tier.settle(block=True)
+    k, v = tier.read(found)  # [layers, n, 3]: column 2 of the first put (a[0] came last)
+    np.testing.assert_array_equal(k[:, 0], 2.0)
+    # another salt's chain of the same tokens never matches
+    other = _chain(b"x", [(1,)])
+    assert tier.match([other[0][0]], [1], 1, 0, root_digest(b"x")) == []
+    assert tier.clear() == 4 and len(tier) == 0
+
+
+def test_pins_hold_and_time_to_live_ages_chains_from_their_tails():
+    clock = Clock()
+    tier = HostTier(3, 100, ttl_s=10.0, clock=clock)
+    a = _chain(b"", [(1,), (2,)])
+    b = _chain(b"", [(5,)])
+    tier.pin([a[0][0]])
+    _put(tier, a[::-1])
+    clock.now = 5.0
+    _put(tier, b)
+    clock.now = 12.0  # a unused for 12 s, b for 7
+    tier.expire()
+    assert a[1][0] not in tier and a[0][0] in tier and b[0][0] in tier  # pinned a[0] stays
+    c = _chain(b"", [(6,), (7,), (8,)])
+    _put(tier, c[:2])  # full: drops b (unpinned), never the pinned a[0]
+    assert a[0][0] in tier and b[0][0] not in tier
+    assert _put(tier, c[2:]) == []  # the rest is pinned or c's own chain: not taken
+    tier.unpin([a[0][0]])
+    assert _put(tier, c[2:]) == [0] and a[0][0] not in tier
+    with pytest.raises(ValueError, match="raise host_cache_bytes"):
+        tier.pin([d for d, *_ in _chain(b"", [(i,) for i in range(4)])])
+    with pytest.raises(ValueError, match="host_ttl_s"):
+        HostTier(3, 100, ttl_s=0)
