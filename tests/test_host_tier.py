@@ -10,6 +10,7 @@ tokens. The tier's own bookkeeping (LRU over leaves, pins, time-to-live) is test
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import jax.numpy as jnp
@@ -245,3 +246,43 @@ def test_pins_hold_and_time_to_live_ages_chains_from_their_tails():
         tier.pin([d for d, *_ in _chain(b"", [(i,) for i in range(4)])])
     with pytest.raises(ValueError, match="host_ttl_s"):
         HostTier(3, 100, ttl_s=0)
+
+
+# -- the device side: restore_pages over random pools ---------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8], ids=["float32", "int8"])
+def test_restore_takes_the_first_free_pages_and_writes_every_array(dtype):
+    """Random pools with random pages held: a restore of ``count`` pages writes each pool
+    array (int8 codes and their scales too) into the first ``count`` free pages in id order,
+    gives each one reference and touches nothing else; past the free pages it hands out the
+    sentinel and holds nothing."""
+    from paxkv.prefix import host_copies
+    from paxkv.table import page_table as pt
+
+    rng = np.random.default_rng(0)
+    for trial in range(12):
+        cache = paged.create(num_layers=2, num_kv_heads=1, head_dim=4, num_pages=12,
+                             page_size=4, max_seqs=2, max_len=16, dtype=dtype,
+                             attention_impl="xla")
+        held = rng.choice(12, rng.integers(0, 12), replace=False)
+        cache = dataclasses.replace(cache, table=pt.retain(
+            cache.table, jnp.asarray(np.pad(held, (0, 12 - len(held)), constant_values=12),
+                                     jnp.int32)))
+        before = [np.asarray(a) for a in cache.pool.arrays()]
+        refs = np.asarray(cache.table.ref_counts)
+        data = tuple(rng.integers(-100, 100, (a.shape[0], 8) + a.shape[2:]).astype(a.dtype)
+                     for a in before)
+        count = int(rng.integers(0, 9))
+        cache, ids = host_copies.restore_pages(cache, data, np.int32(count))
+        free = np.flatnonzero(refs == 0)
+        want = np.full(8, 12)
+        want[:min(count, len(free))] = free[:count]
+        np.testing.assert_array_equal(np.asarray(ids), want)
+        got_refs = refs.copy()
+        got_refs[want[want < 12]] += 1
+        np.testing.assert_array_equal(np.asarray(cache.table.ref_counts), got_refs)
+        for old, new, d in zip(before, cache.pool.arrays(), data):
+            new, expect = np.asarray(new), old.copy()
+            for j, page in enumerate(want):
+                if page < 12:
+                    expect[:, page] = d[:, j]
+            np.testing.assert_array_equal(new[:, :12], expect[:, :12], f"trial {trial}")

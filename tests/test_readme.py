@@ -79,3 +79,15 @@ def test_readme_own_model_loop_equals_the_engine():
     engine.clear_prefix_cache()
     assert int(engine.cache.free_pages()) == engine.cache.num_pages
     assert isinstance(model, paxkv.Model)
+
+
+def test_readme_host_tier_example_serves_returning_histories_from_host():
+    """The "Paging out" block: agents' histories pushed out of a one-history pool come back
+    from host memory on their second turn, the pin holds, and clearing returns everything."""
+    namespace = _run(_block("host_cache_bytes=1 << 30"))
+    engine, host = namespace["engine"], namespace["host"]
+    assert host.hit_tokens >= 256 and host.copy_in_pages > 0 and host.copy_out_pages > 0
+    assert engine.stats().host.pinned_pages + engine.stats().cached_pages > 0
+    engine.clear_prefix_cache()
+    assert int(engine.cache.free_pages()) == engine.cache.num_pages
+    assert engine.stats().host.pages == 0
