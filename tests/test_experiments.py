@@ -207,6 +207,25 @@ def test_window_capacity_releases_pages_leaks_none_and_agrees(tmp_path, monkeypa
     assert shared["released, no prefix cache"]["hit_tokens"] == 0
 
 
+def test_agents_fleet_serves_returning_histories_from_host(tmp_path, monkeypatch):
+    """``experiments.agents --quick --only fleet``: the three engines give the same replies,
+    the host tier recomputes a fraction of what the engine without it does, copies pages both
+    ways and leaks nothing (the run asserts every page free after each engine)."""
+    import sys  # noqa: PLC0415
+
+    from experiments import agents  # noqa: PLC0415
+
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["agents", "--quick", "--only", "fleet"])
+    agents.main()
+    data = json.loads((tmp_path / "agents_quick.json").read_text())["results"]["fleet"]
+    assert all(v == 1.0 for v in data["agreement"].values()), data["agreement"]
+    runs = data["runs"]
+    assert runs["tier"]["recomputed_tokens"] < 0.25 * runs["no_tier"]["recomputed_tokens"]
+    assert runs["tier"]["host"]["copy_in_pages"] > 0 and runs["tier"]["host"]["pages"] > 0
+    assert runs["no_tier"]["host"] is None and runs["dense"]["max_seqs"] <= 4
+
+
 def test_offline_counts_each_engine_step_variant():
     """The offline workload's compile count names each jitted engine step where it lives
     (attach_rows and retain_pages moved to paxkv.prefix.holds; the run failed at its end)."""

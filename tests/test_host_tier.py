@@ -88,6 +88,10 @@ def test_tokens_identical_with_the_tier_and_far_fewer_prefilled(temperature):
     assert s_on.prefill_tokens <= 0.5 * s_off.prefill_tokens, (s_on.prefill_tokens,
                                                                s_off.prefill_tokens)
     assert host.bytes == host.pages * on.cache.kv_bytes_per_page <= host.capacity_bytes
+    on.reset_stats()  # the host tier's totals restart too (its pages stay)
+    after = on.stats().host
+    assert (after.hit_tokens, after.copy_in_pages, after.copy_out_pages) == (0, 0, 0)
+    assert after.pages == host.pages
     _no_leaks(on)
     _no_leaks(off)
 
@@ -195,6 +199,20 @@ def _put(tier: HostTier, pages: list, start: float = 0.0) -> list[int]:
     return tier.put(pages, (data, data))
 
 
+def test_a_later_copy_lands_first_when_read_first():
+    """Two copies out in flight; reading the second's page lands it alone (the first stays in
+    flight), then the first lands on settle; both read back their own values."""
+    tier = HostTier(8, 100)
+    a, b = _chain(b"", [(1,), (2,), (3,)]), _chain(b"", [(7,), (8,), (9,)])
+    _put(tier, a)
+    _put(tier, b, start=10.0)
+    k, _ = tier.read([b[1][0]])
+    np.testing.assert_array_equal(k[:, 0], 11.0)
+    assert tier.stats().in_flight == 1
+    assert tier.settle(block=True) == 0
+    np.testing.assert_array_equal(tier.read([a[2][0]])[1][:, 0], 2.0)
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0
@@ -221,6 +239,9 @@ def test_lru_drops_leaves_only_so_every_entry_stays_reachable():
     # another salt's chain of the same tokens never matches
     other = _chain(b"x", [(1,)])
     assert tier.match([other[0][0]], [1], 1, 0, root_digest(b"x")) == []
+    for _ in range(500):  # lookups queue stale LRU items; the queue stays bounded
+        tier.match([d for d, *_ in b], [9, 8, 7], 1, 0, root_digest(b""))
+    assert len(tier._heap) <= 4 * len(tier) + 65
     assert tier.clear() == 4 and len(tier) == 0
 
 

@@ -251,10 +251,7 @@ class Engine:
                 self.submit(rng.integers(0, self.model.vocab_size, int(n)).tolist(), p)
             self.run()  # hands every result out: the table keeps none of them
             self.clear_prefix_cache()
-        self.counters.reset()
-        self.ops.reset_counts()
-        if hasattr(self.prefixes, "host"):
-            self.prefixes.host.reset_counts()
+        self._reset_totals()
         self.scheduler.growth.reset()
         return paid
 
@@ -292,6 +289,12 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Zeroes the running totals and peaks (a timed run after a warm-up starts clean)."""
+        self._reset_totals()
+        self.compile_stats.reset()
+
+    def _reset_totals(self) -> None:
+        """The counters, peaks and host-tier totals from now (compiles kept)."""
         self.counters.reset()
         self.ops.reset_counts()
-        self.compile_stats.reset()
+        if hasattr(self.prefixes, "host"):
+            self.prefixes.host.reset_counts()

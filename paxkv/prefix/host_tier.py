@@ -11,10 +11,10 @@ pages here and gets them back with one copy into fresh device pages instead of a
     a prompt with that prefix: d0, d1 attach; d2, d3 copy back into two free pages; the rest
     is prefilled
 
-An entry names its parent's digest and keeps its tokens, compared on every hit, so a hash
-collision never serves another prefix and a salt's chain never meets another salt's (the salt
-is in every digest). Only entries nothing on the host chains below are dropped, least recently
-used first, so every entry stays reachable from the device chain or a host parent.
+An entry names its parent's digest and keeps its tokens, compared on every hit: a collision
+never serves another prefix, nor a chain another salt's (the salt is in every digest). Only
+entries nothing on the host chains below are dropped, least recently used first: every entry
+stays reachable from the device chain or a host parent.
 
 Copies out are asynchronous: the evicting step gathers the pages into a buffer of their own on
 the device (in program order, so a later write to those pages cannot reach it) and starts its
@@ -49,7 +49,7 @@ class _Entry:
     touched: float  # clock seconds at the last use (for ``ttl_s``)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # found by identity: its arrays have no truth value
 class _Copy:
     """One device-to-host transfer in flight: ``arrays[i][:, j]`` lands in ``slots[j]``."""
 
@@ -63,8 +63,8 @@ class HostStats:
     """The host tier of an engine's prefix cache (:attr:`paxkv.engine.EngineStats.host`).
 
     Attributes:
-      pages, bytes: entries held now and their K/V bytes (all layers, scales included).
-      capacity_pages, capacity_bytes: what the budget holds (``Engine(host_cache_bytes=)``).
+      pages, bytes: entries held now and their K/V bytes (all layers, scales included);
+      capacity_pages, capacity_bytes: the budget's (``Engine(host_cache_bytes=)``).
       pinned_pages: entries held now that a :meth:`HostTier.pin` keeps.
       hit_tokens: prompt tokens served from host pages (copied back instead of prefilled).
       copy_out_pages, copy_in_pages: pages copied device -> host / host -> device.
@@ -92,8 +92,7 @@ class HostTier:
 
     Args:
       capacity_pages: pages the budget holds (``host_cache_bytes // page_bytes``).
-      page_bytes: K/V bytes of one page over every layer (the device pool's
-        ``kv_bytes_per_page``).
+      page_bytes: K/V bytes of one page, every layer (the pool's ``kv_bytes_per_page``).
       ttl_s: drop entries unused for this many seconds (None: never).
       clock: seconds, monotonic (tests pass their own).
     """
@@ -116,8 +115,7 @@ class HostTier:
         self._waiting: dict[int, _Copy] = {}  # slot -> its copy in flight
         self.pinned: set[bytes] = set()
         self._tick = 0
-        self.hit_tokens = self.copy_out_pages = self.copy_in_pages = self.dropped = 0
-        self.copy_out_s = self.copy_in_s = 0.0
+        self.reset_counts()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -178,7 +176,7 @@ class HostTier:
             entry = _Entry(slot, tuple(tokens), parent, depth, self._tick, self.clock())
             self._entries[digest] = entry
             self._kids[parent] = self._kids.get(parent, 0) + 1
-            heapq.heappush(self._heap, (entry.last_used, -depth, digest))
+            self._push(entry.last_used, -depth, digest)
             columns.append(j)
             slots.append(slot)
         if columns:
@@ -215,7 +213,7 @@ class HostTier:
             self.pinned.discard(d)
             entry = self._entries.get(d)
             if entry is not None:  # droppable again
-                heapq.heappush(self._heap, (entry.last_used, -entry.depth, d))
+                self._push(entry.last_used, -entry.depth, d)
 
     def expire(self) -> None:
         """Drops entries unused for ``ttl_s`` seconds (leaves first, so a chain ages away
@@ -234,10 +232,8 @@ class HostTier:
         entries it held."""
         self.settle(block=True)
         held = len(self._entries)
-        self._entries.clear()
-        self._kids.clear()
-        self._heap.clear()
-        self.pinned.clear()
+        for part in (self._entries, self._kids, self._heap, self.pinned):
+            part.clear()
         self._free = list(range(self.capacity - 1, -1, -1))
         return held
 
@@ -253,12 +249,20 @@ class HostTier:
 
     def reset_counts(self) -> None:
         self.hit_tokens = self.copy_out_pages = self.copy_in_pages = self.dropped = 0
-        self.copy_out_s = self.copy_in_s = 0.0
+        self.copy_out_s = self.copy_in_s = 0.0  # the entries stay
 
     # -- internals ------------------------------------------------------------------------
     def _touch(self, digest: bytes, entry: _Entry) -> None:
         entry.last_used, entry.touched = self._tick, self.clock()
-        heapq.heappush(self._heap, (entry.last_used, -entry.depth, digest))
+        self._push(entry.last_used, -entry.depth, digest)
+
+    def _push(self, last_used: int, depth: int, digest: bytes) -> None:
+        """Queues an entry for :meth:`_drop_one`. Stale items stay until popped, so past four
+        per entry the queue is rebuilt from the entries (a long run's lookups stay bounded)."""
+        heapq.heappush(self._heap, (last_used, depth, digest))
+        if len(self._heap) > 4 * len(self._entries) + 64:
+            self._heap = [(e.last_used, -e.depth, d) for d, e in self._entries.items()]
+            heapq.heapify(self._heap)
 
     def _drop_one(self, keep: bytes) -> bool:
         """Drops the least recently used unpinned leaf (never ``keep``, the parent of the
@@ -287,7 +291,7 @@ class HostTier:
             del self._kids[entry.parent]
             parent = self._entries.get(entry.parent)
             if parent is not None:  # a leaf now: droppable
-                heapq.heappush(self._heap, (parent.last_used, -parent.depth, entry.parent))
+                self._push(parent.last_used, -parent.depth, entry.parent)
         copy = self._waiting.get(entry.slot)
         if copy is not None:
             self._land(copy)  # the slot is reused next: its old copy must land first
