@@ -307,3 +307,53 @@ def test_restore_takes_the_first_free_pages_and_writes_every_array(dtype):
                 if page < 12:
                     expect[:, page] = d[:, j]
             np.testing.assert_array_equal(new[:, :12], expect[:, :12], f"trial {trial}")
+
+
+# -- on a mesh: a host tier per data shard --------------------------------------------------
+def worker_mesh(shapes: list[list[int]]) -> dict:
+    """Runs in a subprocess with 4 forced CPU devices (``tests/test_mesh.py``'s harness): the
+    agents through an engine on each ``(data, model)`` mesh with a host tier, checked after
+    every turn, against one roomy device without one."""
+    from test_mesh import _start, shard_problems  # noqa: PLC0415
+    from test_mesh_model import tiny_tp_lm  # noqa: PLC0415
+
+    from paxkv.scale import mesh as pmesh  # noqa: PLC0415
+
+    _start()
+    lm, out = tiny_tp_lm(), {}
+    ref = paxkv.Engine(lm, max_seqs=4, max_len=MAX_LEN, page_size=PAGE, num_pages=200,
+                       prefix_cache=False, prefill_chunk=64)
+    out["ref"] = _agents(ref, agents=6, turns=3)
+    for data, model in shapes:
+        e = paxkv.Engine(lm, mesh=pmesh.make_mesh(data, model), max_seqs=4, max_len=MAX_LEN,
+                         page_size=PAGE, num_pages=2 * PAGES, prefill_chunk=64,
+                         host_cache_bytes=1 << 21)
+        tokens = _agents(e, agents=6, turns=3)
+        held = [ix.pages() for ix in e.prefixes.shards]
+        host = e.stats().host
+        problems = shard_problems(e.cache, held)
+        e.clear_prefix_cache()
+        free = [int(x) for x in e.cache.shard_free_pages()]
+        out[f"{data}x{model}"] = dict(
+            tokens=tokens, problems=problems, free=free, pages=e.cache.pages_per_shard,
+            copy_in=[h.copy_in_pages for h in [t.stats() for t in e.prefixes.hosts]],
+            copy_out=host.copy_out_pages, host_after=e.stats().host.pages)
+    return out
+
+
+@pytest.mark.devices
+def test_each_data_shard_keeps_its_own_host_tier():
+    """(2, 1) and (2, 2) meshes (the model axis splits the kv heads each device restores):
+    the agents' tokens equal one device's, pages come back from host in every shard, ref
+    counts equal each shard's tables plus its index, shardings stay put and clearing frees
+    every shard's pages and host tier."""
+    from test_mesh import run_worker  # noqa: PLC0415
+
+    found = run_worker("mesh", [[2, 1], [2, 2]], devices=4, timeout=600,
+                       module="test_host_tier")
+    for shape in ("2x1", "2x2"):
+        got = found[shape]
+        assert got["tokens"] == found["ref"], shape
+        assert got["problems"] == [], (shape, got["problems"])
+        assert all(n > 0 for n in got["copy_in"]), (shape, got["copy_in"])
+        assert got["free"] == [got["pages"]] * 2 and got["host_after"] == 0, (shape, got)

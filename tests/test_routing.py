@@ -27,7 +27,7 @@ from paxkv.engine.lifecycle import Lifecycle
 from paxkv.engine.prefix_sharing import SharedPrefixes
 from paxkv.core.protocol import Shards, shard_layout
 from paxkv.engine.requests import Request, RequestTable
-from paxkv.engine.rows import RowState
+from paxkv.engine.requests import RowState
 from paxkv.core.sampling import SamplingParams
 from paxkv.engine.scheduler import Scheduler
 

@@ -187,7 +187,7 @@ def engine_stats(ops: Any, table: Any, counters: Counters, index: Any,
         peak_kv_bytes_used=max(ops.peak_kv_bytes, kv_bytes_used(cache, used)),
         groups=group_stats(cache, used), sequences=seqs,
         compiles=dataclasses.replace(compiles or CompileStats()),
-        host=index.host.stats() if hasattr(index, "host") else None)
+        host=index.host_stats() if hasattr(index, "hosts") else None)
 
 
 def reclaimable(index: Any) -> int:

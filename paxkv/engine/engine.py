@@ -12,7 +12,7 @@ prompt prefixes; ``submit_prefix`` + ``submit(..., prefix=id)`` forks one prefil
 every request that names it; ``n > 1`` prefills a prompt once and forks it into ``n`` samples;
 :meth:`Engine.fork` branches a live sequence (a tree of thought: branch, continue,
 :meth:`Engine.cancel` the losers). The parts: :mod:`paxkv.engine.requests` (the table),
-:mod:`paxkv.engine.rows` (per-row settings), :mod:`paxkv.engine.cache_ops` (the cache),
+:class:`~paxkv.engine.requests.RowState` (per-row settings), :mod:`paxkv.engine.cache_ops` (the cache),
 :mod:`paxkv.engine.prefix_sharing`, :mod:`paxkv.engine.lifecycle` (who holds a row), :mod:`paxkv.engine.policy`,
 :mod:`paxkv.engine.scheduler` (the step) and :mod:`paxkv.engine.accounting`.
 """
@@ -35,7 +35,7 @@ from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.lifecycle import Lifecycle
 from paxkv.engine.policy import Growth, Shapes
 from paxkv.engine.requests import GenerationResult, Request, RequestTable, StepOutput
-from paxkv.engine.rows import RowState
+from paxkv.engine.requests import RowState
 from paxkv.engine.scheduler import Scheduler
 from paxkv.engine import setup
 from paxkv.engine.setup import build_cache, place_model, token_ids
@@ -78,7 +78,8 @@ class Engine:
         the weights split over ``model`` (:func:`paxkv.engine.setup.place_model`). None: one
         device. Across processes (:func:`paxkv.scale.distributed.process_mesh`): every process
         builds the same engine and makes the same calls in the same order.
-      host_cache_bytes: a host-memory tier under the prefix cache (one-device paged cache):
+      host_cache_bytes: a host-memory tier under the prefix cache (a paged cache; on a mesh
+        one per data shard, each ``1 / data`` of the bytes):
         pages evicted for room are copied to host memory within this many bytes and copied
         back, instead of prefilled, when a prompt runs past the device's cached chain
         (:mod:`paxkv.prefix.host_tier`; 0 = off). ``stats().host`` reports it; ``host_ttl_s``
@@ -296,5 +297,5 @@ class Engine:
         """The counters, peaks and host-tier totals from now (compiles kept)."""
         self.counters.reset()
         self.ops.reset_counts()
-        if hasattr(self.prefixes, "host"):
-            self.prefixes.host.reset_counts()
+        for host in getattr(self.prefixes, "hosts", ()):
+            host.reset_counts()

@@ -22,7 +22,7 @@ from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.policy import Growth
 from paxkv.engine.prefix_sharing import SharedPrefixes
 from paxkv.engine.requests import Request, RequestTable
-from paxkv.engine.rows import RowState
+from paxkv.engine.requests import RowState
 
 
 class Lifecycle:

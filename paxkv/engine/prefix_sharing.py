@@ -19,18 +19,14 @@ one shard.
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import numpy as np
 
-from paxkv.core import buckets
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.requests import Request
 from paxkv.prefix import holds as page_holds
-from paxkv.prefix import host_copies
-from paxkv.prefix.host_tier import HostTier
-from paxkv.prefix.index import Hit, PrefixIndex, root_digest, salt_bytes
+from paxkv.prefix.index import Hit, PrefixIndex
 from paxkv.prefix.window_index import GroupHit, WindowPrefixIndex
 
 
@@ -117,12 +113,12 @@ class SharedPrefixes:
         ref_counts = page_holds.ref_counts(self.ops.cache)[shard]
         pages = self.shards[shard].evict(num, ref_counts, self._protected(shard, protect))
         if pages:
-            self._dropping(pages, self.shards[shard].dropped)
+            self._dropping(pages, self.shards[shard].dropped, shard)
         self.ops.retain(pages, -1, shard)
         self.ops.shard_free[shard] += len(pages)
 
-    def _dropping(self, pages: list[int], dropped: list) -> None:
-        """Called with the pages eviction drops (``dropped``: their index entries) while the
+    def _dropping(self, pages: list[int], dropped: list, shard: int) -> None:
+        """Called with ``shard``'s pages eviction drops (``dropped``: their index entries) while the
         index still holds them: a host tier copies them out here."""
 
     def reclaimable(self, hits: Sequence[Hit]) -> np.ndarray:
@@ -167,72 +163,6 @@ class SharedPrefixes:
     @property
     def evicted(self) -> int:
         return sum(ix.evicted for ix in self.shards)
-
-
-class TieredPrefixes(SharedPrefixes):
-    """:class:`SharedPrefixes` of a one-device paged cache with a host tier under its index
-    (:mod:`paxkv.prefix.host_tier`): pages evicted for room are copied to host memory, and a
-    lookup that runs past the device chain into host pages copies them back into free pages
-    (evicting others for room) and indexes them, instead of leaving them to a prefill."""
-
-    def __init__(self, ops: CacheOps, page_size: int, host: HostTier):
-        super().__init__(ops, page_size)
-        self.host = host
-
-    def pin(self, tokens: Sequence[int], salt: str | bytes | None = None) -> list[bytes]:
-        digests = super().pin(tokens, salt)
-        self.host.pin(digests)  # never dropped from the host either
-        return digests
-
-    def unpin(self, tokens: Sequence[int], salt: str | bytes | None = None) -> list[bytes]:
-        digests = super().unpin(tokens, salt)
-        self.host.unpin(digests)
-        return digests
-
-    def lookup(self, req: Request) -> tuple[list[Hit], list[bytes]]:
-        hits, digests = super().lookup(req)
-        self.host.settle()  # copies out that landed since
-        hit = hits[0]
-        parent = digests[hit.num_full - 1] if hit.num_full else root_digest(salt_bytes(req.salt))
-        found = self.host.match(digests, req.tokens, self.page_size, hit.num_full, parent)
-        if found and self._copy_in(req, hit, found):
-            hits = [self.index.match(req.tokens, req.salt, max_tokens=len(req.tokens) - 1)]
-        return hits, digests
-
-    def _copy_in(self, req: Request, hit: Hit, found: list[bytes]) -> int:
-        """Copies the host pages ``found`` (continuing ``hit``'s full chain) into free pages
-        and indexes them; returns how many came back (fewer when the pool has no room)."""
-        start, ps = time.perf_counter(), self.page_size
-        data = self.host.read(found)  # first: eviction below may drop them from the host
-        short = len(found) - int(self.ops.shard_free[0])
-        if short > 0:
-            self.evict(short, protect=hit.pages)
-        count = min(len(found), int(self.ops.shard_free[0]))
-        if count:
-            width = buckets.pow2(len(found), 8)
-            data = tuple(np.pad(d, [(0, 0), (0, width - d.shape[1])] + [(0, 0)] * (d.ndim - 2))
-                         for d in data)
-            self.ops.cache, ids = host_copies.restore_pages(self.ops.cache, data, np.int32(count))
-            ids = [int(i) for i in np.asarray(ids)[:count]]
-            self.ops.shard_free[0] -= count
-            full = hit.num_full + count
-            new = self.index.insert(req.tokens[:full * ps], list(hit.pages[:hit.num_full]) + ids,
-                                    req.salt)  # the index takes the references restore gave
-            self.ops.retain([p for p in ids if p not in new], -1)  # a collision cut the chain
-            self.ops.shard_free[0] += count - len(new)
-            self.host.copy_in_pages += count
-            self.host.hit_tokens += len(new) * ps
-        self.host.copy_in_s += time.perf_counter() - start
-        return count
-
-    def _dropping(self, pages: list[int], dropped: list) -> None:
-        cache = self.ops.cache
-        arrays = host_copies.gather_pages(cache.pool, host_copies.padded(pages, cache.num_pages))
-        self.host.put(dropped, arrays)  # starts the copies; nothing here waits for them
-
-    def clear(self) -> int:
-        self.host.clear()
-        return super().clear()
 
 
 class WindowPrefixes(SharedPrefixes):

@@ -1,4 +1,6 @@
-"""The engine's request table: requests, cache rows, the queue and ids. Plain Python, no JAX.
+"""The engine's request table: requests, cache rows, the queue and ids, and each row's
+sampling settings and next token (:class:`RowState`, numpy ``[max_seqs]`` arrays the jitted
+steps take whole, so requests of different settings share one step). Plain Python, no JAX.
 
 A request moves through::
 
@@ -19,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from paxkv.core.sampling import SamplingParams
+from paxkv.core.sampling import RowSampling, SamplingParams
 
 
 @dataclasses.dataclass
@@ -223,3 +225,37 @@ class RequestTable:
         for r in done:
             self.drop(r)
         return results
+
+
+# -- what the host keeps per cache row between steps -----------------------------------
+class RowState:
+    """Per-row sampling settings and last tokens (numpy ``[max_seqs]``) beside a table."""
+
+    def __init__(self, table: RequestTable):
+        self.table = table
+        s = len(table.rows)
+        self.last_tokens = np.zeros(s, np.int32)
+        self.sampling = dict(temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
+                             top_p=np.ones(s, np.float32), seed=np.zeros((s, 2), np.uint32))
+
+    def place(self, req: Request, row: int) -> None:
+        """Puts ``req`` in ``row`` (see :meth:`RequestTable.place`) with its settings."""
+        self.table.place(req, row)
+        for name, value in (("temperature", req.temperature), ("top_k", req.top_k),
+                            ("top_p", req.top_p), ("seed", req.key_data)):
+            self.sampling[name][row] = value
+
+    def vacate(self, req: Request) -> None:
+        """Takes ``req`` out of its row; the idle row samples greedily (no sort compiled)."""
+        if req.row is not None:
+            self.sampling["temperature"][req.row] = 0.0
+        self.table.vacate(req)
+
+    def sampling_for(self, rows: np.ndarray | None) -> RowSampling | None:
+        """Sampling settings of ``rows`` (None = all); None when every row is greedy, so
+        greedy work compiles without the sampling sort."""
+        if not (self.sampling["temperature"] > 0).any():
+            return None
+        pick = (lambda a: a) if rows is None else (lambda a: a[rows])
+        # copies (np.array): the rows change these arrays while a step may still read them
+        return RowSampling(**{k: np.array(pick(v)) for k, v in self.sampling.items()})

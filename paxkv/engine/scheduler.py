@@ -1,7 +1,7 @@
 """The engine's step: admission (with prefix-cache hits), prefill, decode, release.
 
 :class:`Scheduler` is built from parts it is handed, each testable alone: the request table
-(:mod:`paxkv.engine.requests`), the row state (:mod:`paxkv.engine.rows`), the cache and its jitted
+(:mod:`paxkv.engine.requests`), the row state (:class:`~paxkv.engine.requests.RowState`), the cache and its jitted
 operations (:mod:`paxkv.engine.cache_ops`), the prefix cache (:mod:`paxkv.engine.prefix_sharing`, or None),
 the row hand-overs (:mod:`paxkv.engine.lifecycle`), admission (:mod:`paxkv.engine.admission`), the policy
 (:mod:`paxkv.engine.policy`) and the attention plan (:mod:`paxkv.core.plan`). One ``step``::
@@ -37,7 +37,7 @@ from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.lifecycle import Lifecycle
 from paxkv.engine.prefix_sharing import SharedPrefixes
 from paxkv.engine.requests import Request, RequestTable
-from paxkv.engine.rows import RowState
+from paxkv.engine.requests import RowState
 from paxkv.prefix.index import Hit
 
 

@@ -21,7 +21,8 @@ from paxkv.cache import paged as paged_cache
 from paxkv.core import buckets
 from paxkv.core.protocol import KVCache
 from paxkv.engine.cache_ops import CacheOps
-from paxkv.engine.prefix_sharing import SharedPrefixes, TieredPrefixes, WindowPrefixes
+from paxkv.engine.prefix_sharing import SharedPrefixes, WindowPrefixes
+from paxkv.engine.tiered_prefixes import TieredPrefixes
 from paxkv.prefix.host_tier import HostTier
 from paxkv.scale import mesh as pmesh
 from paxkv.scale import sharded_cache, tensor_parallel
@@ -91,7 +92,8 @@ def prefix_cache(ops: CacheOps, prefix_cache: bool | None, *, host_cache_bytes: 
                  host_ttl_s: float | None = None) -> SharedPrefixes | None:
     """The engine's prefix cache over ``ops``' cache (``prefix_cache``: the engine's argument;
     None = on where pages can be shared and a window group keeps index pages), with a host tier
-    of ``host_cache_bytes`` under it (:class:`~paxkv.engine.prefix_sharing.TieredPrefixes`)."""
+    of ``host_cache_bytes`` under it (:class:`~paxkv.engine.tiered_prefixes.TieredPrefixes`;
+    on a mesh a tier per data shard, each ``1 / data`` of the bytes)."""
     kv = ops.cache
     host_cache_bytes = check_size("host_cache_bytes", host_cache_bytes, minimum=0)
     if prefix_cache and not kv.shares_pages:
@@ -104,19 +106,24 @@ def prefix_cache(ops: CacheOps, prefix_cache: bool | None, *, host_cache_bytes: 
                          "groups: build it with paxkv.cache.grouped.create(..., index_pages="
                          "paxkv.cache.layer_groups.prefix_index_pages(...)) or pass prefix_cache=False")
     use_index = kv.shares_pages and not blind if prefix_cache is None else prefix_cache
-    if host_cache_bytes and not (use_index and isinstance(kv, paged_cache.PagedCache)):
-        raise ValueError("host_cache_bytes needs the prefix cache on a one-device paged cache "
-                         "with no window groups (this one: "
-                         f"{type(kv).__name__}, prefix cache {'on' if use_index else 'off'}): "
-                         "pass host_cache_bytes=0, or cache='paged' without a mesh")
+    paged = isinstance(kv, (paged_cache.PagedCache, sharded_cache.ShardedPagedCache))
+    if host_cache_bytes and not (use_index and paged):
+        raise ValueError("host_cache_bytes needs the prefix cache on a paged cache with no "
+                         f"window groups (this one: {type(kv).__name__}, prefix cache "
+                         f"{'on' if use_index else 'off'}): pass host_cache_bytes=0, or "
+                         "cache='paged' with the prefix cache on")
+    if host_cache_bytes and jax.process_count() > 1:
+        raise ValueError("host_cache_bytes holds every shard's host tier in one process: on a "
+                         "mesh over several processes pass host_cache_bytes=0")
     if not use_index:
         return None
     if isinstance(kv, grouped.GroupedPagedCache):
         return WindowPrefixes(ops, kv.page_size)
-    if host_cache_bytes:
-        page = kv.kv_bytes_per_page
-        return TieredPrefixes(ops, kv.page_size,
-                              HostTier(host_cache_bytes // page, page, ttl_s=host_ttl_s))
+    if host_cache_bytes:  # split evenly over the data shards, each its own tier
+        page, shards = kv.kv_bytes_per_page, ops.num_shards
+        return TieredPrefixes(ops, kv.page_size, [
+            HostTier(host_cache_bytes // shards // page, page, ttl_s=host_ttl_s)
+            for _ in range(shards)])
     return SharedPrefixes(ops, kv.page_size)
 
 
