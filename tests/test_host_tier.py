@@ -19,6 +19,7 @@ import pytest
 
 import paxkv
 from paxkv.cache import paged
+from paxkv.prefix.host_pages import NumpyPages
 from paxkv.prefix.host_tier import HostTier
 from paxkv.prefix.index import root_digest
 from tiny import tiny_lm
@@ -30,7 +31,11 @@ def _lm():
     return tiny_lm(scale=1.0)
 
 
-def _engine(host_bytes: int, *, poison: bool = True, **kw) -> paxkv.Engine:
+def _engine(host_bytes: int, *, poison: bool = True, memory: str = "numpy",
+            **kw) -> paxkv.Engine:
+    """An engine over a NaN-filled pool (``poison``) with a host tier of ``host_bytes`` whose
+    pages live in ``memory``: "numpy" (NaN-filled too) or "pinned_host" (the default on this
+    CPU: a page per buffer, nothing stale to read)."""
     lm = _lm()
     cfg = lm.config
     cache = paged.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
@@ -38,10 +43,14 @@ def _engine(host_bytes: int, *, poison: bool = True, **kw) -> paxkv.Engine:
                          max_len=MAX_LEN, fill=float("nan") if poison else 0.0,
                          attention_impl="xla")
     e = paxkv.Engine(lm, cache=cache, prefill_chunk=64, host_cache_bytes=host_bytes, **kw)
-    if host_bytes and poison:  # the host pool too: only slots a copy filled may be read
+    if host_bytes:
         host = e.prefixes.host
-        host.arrays = [np.full((host.capacity, a.shape[0]) + a.shape[2:], np.nan, a.dtype)
-                       for a in e.cache.pool.arrays()]
+        assert host.store.memory_kind == "pinned_host"  # this backend has it
+        if memory == "numpy":
+            host.store = NumpyPages(host.capacity)
+            if poison:  # the host pool too: only slots a copy filled may be read
+                host.store.arrays = [np.full((host.capacity, a.shape[0]) + a.shape[2:],
+                                             np.nan, a.dtype) for a in e.cache.pool.arrays()]
     return e
 
 
@@ -73,9 +82,11 @@ def _no_leaks(engine: paxkv.Engine) -> None:
         assert host.pages == 0 and host.bytes == 0 and host.in_flight == 0, host
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_tokens_identical_with_the_tier_and_far_fewer_prefilled(temperature):
-    off, on = _engine(0), _engine(1 << 20)
+@pytest.mark.parametrize("temperature, memory", [(0.0, "numpy"), (1.0, "numpy"),
+                                                 (0.0, "pinned_host")],
+                         ids=["greedy", "sampled", "greedy-pinned"])
+def test_tokens_identical_with_the_tier_and_far_fewer_prefilled(temperature, memory):
+    off, on = _engine(0), _engine(1 << 20, memory=memory)
     want = _agents(off, temperature=temperature)
     got = _agents(on, temperature=temperature)
     assert got == want
@@ -88,6 +99,7 @@ def test_tokens_identical_with_the_tier_and_far_fewer_prefilled(temperature):
     assert s_on.prefill_tokens <= 0.5 * s_off.prefill_tokens, (s_on.prefill_tokens,
                                                                s_off.prefill_tokens)
     assert host.bytes == host.pages * on.cache.kv_bytes_per_page <= host.capacity_bytes
+    assert host.memory_kind == memory
     on.reset_stats()  # the host tier's totals restart too (its pages stay)
     after = on.stats().host
     assert (after.hit_tokens, after.copy_in_pages, after.copy_out_pages) == (0, 0, 0)
@@ -208,9 +220,26 @@ def test_a_later_copy_lands_first_when_read_first():
     _put(tier, b, start=10.0)
     k, _ = tier.read([b[1][0]])
     np.testing.assert_array_equal(k[:, 0], 11.0)
-    assert tier.stats().in_flight == 1
+    assert len(tier.store._pending) == 1  # a's copy: not landed by the read of b's page
     assert tier.settle(block=True) == 0
     np.testing.assert_array_equal(tier.read([a[2][0]])[1][:, 0], 2.0)
+
+
+def test_pinned_pages_round_trip_and_free_on_drop():
+    """Pinned host memory: each page its own ``pinned_host`` buffer, read back onto the device
+    padded to the width asked for; a dropped entry's buffer is gone at once."""
+    tier = HostTier(4, 100, memory_kind="pinned_host")
+    a = _chain(b"", [(1,), (2,), (3,)])
+    _put(tier, a, start=5.0)
+    assert {p[0].sharding.memory_kind for p in tier.store.pages.values()} == {"pinned_host"}
+    k, v = tier.read([a[2][0], a[0][0]], width=4)
+    assert k.shape == (2, 4, 3) and k.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(k)[:, :, 0], [[7.0, 5.0, 7.0, 7.0]] * 2)
+    _put(tier, _chain(b"", [(9,), (8,)]))  # room: a's tail goes
+    assert len(tier.store.pages) == 4 and a[2][0] not in tier
+    assert tier.clear() == 4 and not tier.store.pages
+    with pytest.raises(ValueError, match="memory_kind"):
+        HostTier(4, 100, memory_kind="gpu")
 
 
 class Clock:

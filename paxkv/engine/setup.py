@@ -122,9 +122,20 @@ def prefix_cache(ops: CacheOps, prefix_cache: bool | None, *, host_cache_bytes: 
     if host_cache_bytes:  # split evenly over the data shards, each its own tier
         page, shards = kv.kv_bytes_per_page, ops.num_shards
         return TieredPrefixes(ops, kv.page_size, [
-            HostTier(host_cache_bytes // shards // page, page, ttl_s=host_ttl_s)
-            for _ in range(shards)])
+            HostTier(host_cache_bytes // shards // page, page, ttl_s=host_ttl_s,
+                     memory_kind=host_memory_kind(kv)) for _ in range(shards)])
     return SharedPrefixes(ops, kv.page_size)
+
+
+def host_memory_kind(kv: KVCache) -> str:
+    """Where a host tier keeps pages for ``kv``: the backend's pinned host memory when the pool
+    lies on one device that has it (:class:`~paxkv.prefix.host_pages.PinnedPages`), else numpy
+    arrays (a mesh's pool spans devices)."""
+    if not isinstance(kv, paged_cache.PagedCache):
+        return "numpy"
+    devices = kv.pool.k.sharding.device_set
+    kinds = {m.kind for m in next(iter(devices)).addressable_memories()}
+    return "pinned_host" if len(devices) == 1 and "pinned_host" in kinds else "numpy"
 
 
 def place_model(model: Any, mesh: Mesh | None) -> Any:

@@ -52,7 +52,8 @@ class TieredPrefixes(SharedPrefixes):
     def host_stats(self) -> HostStats:
         """Every shard's host tier, summed."""
         each = [dataclasses.asdict(h.stats()) for h in self.hosts]
-        return HostStats(**{k: sum(e[k] for e in each) for k in each[0]})
+        return HostStats(**{k: (sum(e[k] for e in each) if k != "memory_kind" else v)
+                            for k, v in each[0].items()})
 
     def pin(self, tokens: Sequence[int], salt: str | bytes | None = None) -> list[bytes]:
         digests = super().pin(tokens, salt)
@@ -87,14 +88,11 @@ class TieredPrefixes(SharedPrefixes):
         has no room)."""
         start, ps, host, free = time.perf_counter(), self.page_size, self.hosts[shard], \
             self.ops.shard_free
-        data = host.read(found)  # first: eviction below may drop them from the host
+        data = host.read(found, buckets.pow2(len(found), 8))  # first: eviction may drop them
         if len(found) > free[shard]:
             self.evict(len(found) - int(free[shard]), protect=hit.pages, shard=shard)
         count = min(len(found), int(free[shard]))
         if count:
-            width = buckets.pow2(len(found), 8)
-            data = tuple(np.pad(d, [(0, 0), (0, width - d.shape[1])] + [(0, 0)] * (d.ndim - 2))
-                         for d in data)
             if self.ops.num_shards == 1:
                 self.ops.cache, ids = host_copies.restore_pages(self.ops.cache, data,
                                                                 np.int32(count))

@@ -17,16 +17,16 @@ entries nothing on the host chains below are dropped, least recently used first:
 stays reachable from the device chain or a host parent.
 
 Copies out are asynchronous: the evicting step gathers the pages into a buffer of their own on
-the device (in program order, so a later write to those pages cannot reach it) and starts its
-transfer (``copy_to_host_async``); :meth:`HostTier.settle` writes finished transfers into the
-host pool when the engine next looks. A slot whose copy has not landed is read only after it
-lands (:meth:`HostTier.read` waits for it).
+the device (in program order, so a later write to those pages cannot reach it) and starts
+their transfer to host without waiting; a read of a page whose copy is still in flight waits
+for that copy. Where pages live, pinned host memory or numpy arrays, is
+:mod:`paxkv.prefix.host_pages`.
 
 Retention: least recently used entries go first; :meth:`HostTier.pin` marks a prefix's
 digests (the engine's ``pin_prefix``, by its tokens and salt): a pinned entry is never dropped,
 and the engine never evicts a pinned page from the device either. ``ttl_s`` drops entries
-unused for that long; :meth:`HostTier.clear` forgets everything, pins too. Everything here is
-host Python and numpy; the device side is :mod:`paxkv.prefix.host_copies`.
+unused for that long; :meth:`HostTier.clear` forgets everything, pins too. The bookkeeping
+here is host Python; the device side is :mod:`paxkv.prefix.host_copies`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import heapq
 import time
 from typing import Any, Callable, Sequence
 
-import numpy as np
+from paxkv.prefix.host_pages import NumpyPages, PinnedPages
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,15 +47,6 @@ class _Entry:
     depth: int  # the page's position in its chain (0: a first page)
     last_used: int
     touched: float  # clock seconds at the last use (for ``ttl_s``)
-
-
-@dataclasses.dataclass(eq=False)  # found by identity: its arrays have no truth value
-class _Copy:
-    """One device-to-host transfer in flight: ``arrays[i][:, j]`` lands in ``slots[j]``."""
-
-    arrays: tuple[Any, ...]
-    slots: list[int]
-    columns: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +62,7 @@ class HostStats:
       copy_out_s, copy_in_s: host seconds spent starting copies out / copying back.
       dropped: entries dropped for room or by ``ttl_s``.
       in_flight: copies out not yet landed.
+      memory_kind: where pages live: "pinned_host" or "numpy" (:mod:`paxkv.prefix.host_pages`).
     """
 
     pages: int
@@ -85,6 +77,7 @@ class HostStats:
     copy_in_s: float
     dropped: int
     in_flight: int
+    memory_kind: str = "numpy"
 
 
 class HostTier:
@@ -95,10 +88,12 @@ class HostTier:
       page_bytes: K/V bytes of one page, every layer (the pool's ``kv_bytes_per_page``).
       ttl_s: drop entries unused for this many seconds (None: never).
       clock: seconds, monotonic (tests pass their own).
+      memory_kind: "pinned_host" (the backend's pinned memory, one device) or "numpy"
+        (:mod:`paxkv.prefix.host_pages`).
     """
 
     def __init__(self, capacity_pages: int, page_bytes: int, *, ttl_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, memory_kind: str = "numpy"):
         if capacity_pages < 1:
             raise ValueError(f"a host tier needs room for one page or more, got "
                              f"{capacity_pages} (raise host_cache_bytes past {page_bytes})")
@@ -106,13 +101,14 @@ class HostTier:
             raise ValueError(f"host_ttl_s must be > 0 seconds or None, got {ttl_s!r}")
         self.capacity, self.page_bytes, self.ttl_s, self.clock = (capacity_pages, page_bytes,
                                                                    ttl_s, clock)
-        self.arrays: list[np.ndarray] | None = None  # [capacity, layers, ...] per pool array
+        kinds = dict(pinned_host=PinnedPages, numpy=NumpyPages)
+        if memory_kind not in kinds:
+            raise ValueError(f"memory_kind must be one of {sorted(kinds)}, got {memory_kind!r}")
+        self.store = kinds[memory_kind](capacity_pages)
         self._entries: dict[bytes, _Entry] = {}
         self._kids: dict[bytes, int] = {}  # digest -> host entries naming it as their parent
         self._free = list(range(capacity_pages - 1, -1, -1))  # pop() gives slot 0 first
         self._heap: list[tuple[int, int, bytes]] = []  # (last_used, -depth, digest), lazy
-        self._pending: list[_Copy] = []
-        self._waiting: dict[int, _Copy] = {}  # slot -> its copy in flight
         self.pinned: set[bytes] = set()
         self._tick = 0
         self.reset_counts()
@@ -142,15 +138,12 @@ class HostTier:
             parent = digests[i]
         return out
 
-    def read(self, digests: Sequence[bytes]) -> tuple[np.ndarray, ...]:
-        """The pages of ``digests`` (held), ``[layers, n, ...]`` per pool array, in order:
-        what :func:`paxkv.prefix.host_copies.restore_pages` writes back. Waits for a copy out
-        still in flight for any of them."""
+    def read(self, digests: Sequence[bytes], width: int | None = None) -> tuple[Any, ...]:
+        """The pages of ``digests`` (held), ``[layers, width, ...]`` per pool array (the last
+        columns repeat the first page): what :func:`paxkv.prefix.host_copies.restore_pages`
+        writes back. Waits for a copy out still in flight for any of them."""
         slots = [self._entries[d].slot for d in digests]
-        for copy in {id(self._waiting[s]): self._waiting[s] for s in slots
-                     if s in self._waiting}.values():
-            self._land(copy)
-        return tuple(np.moveaxis(a[slots], 0, 1) for a in self.arrays)
+        return self.store.read(slots, width or len(slots))
 
     # -- changes --------------------------------------------------------------------------
     def put(self, pages: Sequence[tuple[bytes, bytes, tuple[int, ...], int]],
@@ -180,25 +173,15 @@ class HostTier:
             columns.append(j)
             slots.append(slot)
         if columns:
-            if self.arrays is None:
-                self.arrays = [np.empty((self.capacity, a.shape[0]) + tuple(a.shape[2:]),
-                                        np.dtype(a.dtype)) for a in arrays]
-            for a in arrays:
-                a.copy_to_host_async()
-            copy = _Copy(arrays, slots, columns)
-            self._pending.append(copy)
-            self._waiting.update((s, copy) for s in slots)
+            self.store.put(slots, arrays, columns)
             self.copy_out_pages += len(slots)
         self.copy_out_s += time.perf_counter() - start
         return columns
 
     def settle(self, block: bool = False) -> int:
-        """Writes finished copies out into the host pool (every one with ``block``); returns
-        how many are still in flight."""
-        for copy in list(self._pending):
-            if block or all(a.is_ready() for a in copy.arrays):
-                self._land(copy)
-        return len(self._pending)
+        """Lands finished copies out (every one with ``block``); returns how many are still in
+        flight."""
+        return self.store.settle(block)
 
     def pin(self, digests: Sequence[bytes]) -> None:
         """Never drops these digests' entries until :meth:`unpin` or :meth:`clear`."""
@@ -230,7 +213,7 @@ class HostTier:
     def clear(self) -> int:
         """Forgets every entry and pin (copies in flight land first); returns how many
         entries it held."""
-        self.settle(block=True)
+        self.store.clear()
         held = len(self._entries)
         for part in (self._entries, self._kids, self._heap, self.pinned):
             part.clear()
@@ -245,7 +228,7 @@ class HostTier:
                          hit_tokens=self.hit_tokens, copy_out_pages=self.copy_out_pages,
                          copy_in_pages=self.copy_in_pages, copy_out_s=self.copy_out_s,
                          copy_in_s=self.copy_in_s, dropped=self.dropped,
-                         in_flight=len(self._pending))
+                         in_flight=self.settle(), memory_kind=self.store.memory_kind)
 
     def reset_counts(self) -> None:
         self.hit_tokens = self.copy_out_pages = self.copy_in_pages = self.dropped = 0
@@ -292,19 +275,6 @@ class HostTier:
             parent = self._entries.get(entry.parent)
             if parent is not None:  # a leaf now: droppable
                 self._push(parent.last_used, -parent.depth, entry.parent)
-        copy = self._waiting.get(entry.slot)
-        if copy is not None:
-            self._land(copy)  # the slot is reused next: its old copy must land first
+        self.store.drop(entry.slot)
         self._free.append(entry.slot)
         self.dropped += 1
-
-    def _land(self, copy: _Copy) -> None:
-        if copy not in self._pending:
-            return
-        self._pending.remove(copy)
-        for host, device in zip(self.arrays, copy.arrays):
-            data = np.asarray(device)  # [layers, n, ...]
-            host[copy.slots] = np.moveaxis(data[:, copy.columns], 1, 0)
-        for s in copy.slots:
-            if self._waiting.get(s) is copy:
-                del self._waiting[s]
