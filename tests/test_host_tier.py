@@ -19,7 +19,7 @@ import pytest
 
 import paxkv
 from paxkv.cache import paged
-from paxkv.prefix.host_pages import NumpyPages
+from paxkv.prefix.host_pages import PinnedPages
 from paxkv.prefix.host_tier import HostTier
 from paxkv.prefix.index import root_digest
 from tiny import tiny_lm
@@ -34,8 +34,8 @@ def _lm():
 def _engine(host_bytes: int, *, poison: bool = True, memory: str = "numpy",
             **kw) -> paxkv.Engine:
     """An engine over a NaN-filled pool (``poison``) with a host tier of ``host_bytes`` whose
-    pages live in ``memory``: "numpy" (NaN-filled too) or "pinned_host" (the default on this
-    CPU: a page per buffer, nothing stale to read)."""
+    pages live in ``memory``: "numpy" (NaN-filled too; a CPU's default) or "pinned_host" (a
+    GPU's: a page per buffer, nothing stale to read)."""
     lm = _lm()
     cfg = lm.config
     cache = paged.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
@@ -45,12 +45,12 @@ def _engine(host_bytes: int, *, poison: bool = True, memory: str = "numpy",
     e = paxkv.Engine(lm, cache=cache, prefill_chunk=64, host_cache_bytes=host_bytes, **kw)
     if host_bytes:
         host = e.prefixes.host
-        assert host.store.memory_kind == "pinned_host"  # this backend has it
-        if memory == "numpy":
-            host.store = NumpyPages(host.capacity)
-            if poison:  # the host pool too: only slots a copy filled may be read
-                host.store.arrays = [np.full((host.capacity, a.shape[0]) + a.shape[2:],
-                                             np.nan, a.dtype) for a in e.cache.pool.arrays()]
+        assert host.store.memory_kind == "numpy"  # a CPU's default (setup.host_memory_kind)
+        if memory == "pinned_host":  # what a GPU gets: the path runs on this CPU too
+            host.store = PinnedPages(host.capacity)
+        elif poison:  # the host pool too: only slots a copy filled may be read
+            host.store.arrays = [np.full((host.capacity, a.shape[0]) + a.shape[2:], np.nan,
+                                         a.dtype) for a in e.cache.pool.arrays()]
     return e
 
 
