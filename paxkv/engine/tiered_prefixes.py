@@ -86,26 +86,24 @@ class TieredPrefixes(SharedPrefixes):
         """Copies the host pages ``found`` (continuing ``hit``'s full chain in ``shard``) into
         free pages there and indexes them; returns how many came back (fewer when the shard
         has no room)."""
-        start, ps, host, free = time.perf_counter(), self.page_size, self.hosts[shard], \
-            self.ops.shard_free
+        start, ps, host, ops = time.perf_counter(), self.page_size, self.hosts[shard], self.ops
         data = host.read(found, buckets.pow2(len(found), 8))  # first: eviction may drop them
-        if len(found) > free[shard]:
-            self.evict(len(found) - int(free[shard]), protect=hit.pages, shard=shard)
-        count = min(len(found), int(free[shard]))
+        if len(found) > ops.shard_free[shard]:
+            self.evict(len(found) - int(ops.shard_free[shard]), protect=hit.pages, shard=shard)
+        count = min(len(found), int(ops.shard_free[shard]))
         if count:
-            if self.ops.num_shards == 1:
-                self.ops.cache, ids = host_copies.restore_pages(self.ops.cache, data,
-                                                                np.int32(count))
+            if ops.num_shards == 1:
+                ops.cache, ids = host_copies.restore_pages(ops.cache, data, np.int32(count))
             else:
-                self.ops.cache, ids = host_copies.restore_shard_pages(
-                    self.ops.cache, data, np.int32(count), np.int32(shard))
+                ops.cache, ids = host_copies.restore_shard_pages(ops.cache, data,
+                                                                 np.int32(count), np.int32(shard))
             ids = [int(i) for i in np.asarray(ids)[:count]]
-            free[shard] -= count
+            ops.shard_free[shard] -= count
             full = hit.num_full + count
             new = self.shards[shard].insert(req.tokens[:full * ps],
                                             list(hit.pages[:hit.num_full]) + ids, req.salt)
-            self.ops.retain([p for p in ids if p not in new], -1, shard)  # a collision cut it
-            free[shard] += count - len(new)  # (the index took the references restore gave)
+            ops.retain([p for p in ids if p not in new], -1, shard)  # a collision cut the chain
+            ops.shard_free[shard] += count - len(new)  # the index took restore's references
             host.copy_in_pages += count
             host.hit_tokens += len(new) * ps
         host.copy_in_s += time.perf_counter() - start

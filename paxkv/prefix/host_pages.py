@@ -1,5 +1,6 @@
 """Where the host tier's pages live (:mod:`paxkv.prefix.host_tier` keeps the bookkeeping):
-per page, in the backend's pinned host memory where it has one, else in numpy arrays.
+per page in an accelerator's pinned host memory, else in numpy arrays (the engine's choice:
+:func:`paxkv.engine.setup.host_memory_kind`).
 
 Both take a batch of pages gathered on the device (``[layers, n, ...]`` per pool array,
 still being computed: :func:`paxkv.prefix.host_copies.gather_pages`) and start its transfer
