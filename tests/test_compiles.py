@@ -166,3 +166,29 @@ def test_engine_warm_up_compiles_what_a_like_batch_then_needs():
     engine.submit(prompts[0], max_new_tokens=2)
     with pytest.raises(ValueError, match="before any request"):
         engine.warm_up([4])
+
+
+def test_short_answers_on_a_shared_prompt_decode_in_one_compiled_window():
+    """Eight rows share a 32-token prompt and run 60 tokens past their own 60-66: their own
+    part grows from 67 to ~125 tokens, across the 96 -> 128 window buckets. Sized for the
+    rows' end from the first decode step, every decode step runs one plan (two without
+    :func:`paxkv.engine.policy.decode_window_tokens`), and the tokens are those of an engine
+    with no shared pages."""
+    lm = tiny_lm(scale=1.0)
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, 256, 32).tolist()
+    prompts = [system + rng.integers(1, 256, int(n)).tolist() for n in rng.integers(60, 67, 8)]
+
+    def run(prefix_cache):
+        engine = paxkv.Engine(lm, max_seqs=8, max_len=160, page_size=8,
+                              prefix_cache=prefix_cache)
+        plans, decode = [], engine.scheduler.ops.decode
+        engine.scheduler.ops.decode = lambda *a: plans.append(a[4]) or decode(*a)
+        ids = [engine.submit(p, max_new_tokens=60, stop_token_ids=[]) for p in prompts]
+        out = engine.run()
+        return [out[i].token_ids for i in ids], plans
+
+    tokens, plans = run(True)
+    assert len(plans) >= 55 and all(p.prefix_pages == 4 for p in plans)
+    assert len(set(plans)) == 1 and plans[0].window == 160, set(plans)
+    assert tokens == run(False)[0]

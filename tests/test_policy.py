@@ -134,15 +134,27 @@ def test_prefill_shapes_rent_a_compiled_wider_shape_until_the_padding_costs_a_co
     assert shapes.choose(8, 512, 32) == (8, 512)  # the first call compiles its own shape
     # 8 rows of <= 384 tokens run in the 8 x 512 step: 8 x 128 padded tokens of rent.
     assert shapes.choose(8, 384, 32) == (8, 512) and shapes.rent[(8, 384)] == 1024
-    # 16 rows of <= 192 run 8 at a time in it (8 x 320 each) until the rent passes 4,096.
-    assert shapes.choose(16, 192, 32) == (8, 512) and shapes.rent[(16, 192)] == 2560
-    assert shapes.choose(16, 192, 32) == (16, 192)  # 5,120 > 4,096: now it compiles
-    assert shapes.choose(16, 192, 32) == (16, 192) and shapes.choose(3, 96, 32) == (16, 192)
-    assert shapes.owned == {(8, 512), (16, 192)}
+    # 16 rows of <= 192: one call of 8 there pads 8 x 320 = 2,560 (under the price), but the
+    # batch needs two (5,120 > 4,096): its own shape compiles now, not after the first call.
+    assert shapes.choose(16, 192, 32) == (16, 192) and (16, 192) not in shapes.rent
+    assert shapes.choose(8, 192, 32) == (16, 192) and shapes.rent[(8, 192)] == 1536
+    # 3 rows of 96 (tight 4 x 96) rent the 16 x 192 step once (3,072 - 384 = 2,688), then buy.
+    assert shapes.choose(3, 96, 32) == (16, 192) and shapes.rent[(4, 96)] == 2688
+    assert shapes.choose(3, 96, 32) == (4, 96)
+    assert shapes.owned == {(8, 512), (16, 192), (4, 96)}
     # buy=0 compiles every call's own shape (the fine buckets alone); rows cap at max_rows.
     tight = policy.Shapes(buy=0)
     assert [tight.choose(r, w, 24) for r, w in ((8, 512), (8, 384), (20, 64))] == [
         (8, 512), (8, 384), (24, 64)]
+
+
+def test_a_batch_is_not_rented_call_by_call_into_a_shape_of_fewer_rows():
+    # A shared prompt's followers: the 1 x 512 step of its leader owned, 31 rows of 48 tokens
+    # left. Each call alone pads 464 tokens (under the price), but the batch needs 31 of them.
+    # Before the fix the first four calls ran one row each (~0.9 s a call on SmolLM2).
+    shapes = policy.Shapes(buy=2048)
+    assert shapes.choose(1, 512, 32) == (1, 512)
+    assert shapes.choose(31, 48, 32) == (32, 48) and not shapes.rent
 
 
 def test_a_compiled_plan_is_reused_where_it_covers_the_calls_plan():
@@ -157,3 +169,13 @@ def test_a_compiled_plan_is_reused_where_it_covers_the_calls_plan():
     assert shapes.plan((8, 512), wide) is wide
     assert shapes.plan((8, 512), narrow) is wide  # same compiled step
     assert shapes.plan((8, 384), narrow) is narrow  # another shape: its own
+
+
+def test_a_decode_window_is_sized_for_the_rows_end_when_their_answers_are_short():
+    # W2's rows: 384 shared tokens, 448 now, 510 at the end (own part 64 -> 126): the last
+    # window from the start, one decode compile instead of three (448, 480, 512).
+    assert policy.decode_window_tokens(448, 510, 384) == 510
+    assert policy.decode_window_tokens(448, 513, 384) == 448  # own part past twice its size
+    assert policy.decode_window_tokens(100, 2148, 0) == 100  # a long generation: its length
+    assert policy.decode_window_tokens(100, 200, 0) == 200
+    assert policy.decode_window_tokens(100, 90, 0) == 100  # never shorter than the rows now

@@ -7,11 +7,14 @@ from __future__ import annotations
 # What compiling one more step shape costs, in tokens of step work: the one price every shape
 # planner uses (:class:`paxkv.engine.policy.Shapes` for prefill calls,
 # :class:`paxkv.scoring.shapes.StepShapes` and ``scoring.batches.child_groups`` for scoring
-# steps). SmolLM2-135M on 2 CPU cores compiles a step in 1.1-2 s (plus ~0.4 s tracing and
-# lowering), about what 2,000 tokens of scoring work take; without the price the scoring planner
-# compiled 15 child shapes for a 48-question workload that runs each once. On a GPU a token is
-# far cheaper than a compile: pass a larger ``buy``.
-COMPILE_TOKENS = 2048
+# steps). SmolLM2-135M on 2 CPU cores compiles a step in 1.1-2.0 s plus ~0.4 s tracing and
+# lowering, and a padded token costs 1.6-2.8 ms in a scoring step (logits at every position)
+# and 1.8-2.2 ms in an engine prefill (a 1 x 512 call, a 32 x 48 one; 12-05): one compile is
+# ~700-1,300 tokens. Priced at 2,048 (an earlier estimate), a two-choice task rented a 4 x 512
+# program for 2-row steps six times (24 s of steps where its own compile cost 2), and a shared
+# prompt's followers ran ~0.9 s calls of 1 x 512 for 48 tokens. On a GPU a token is far cheaper
+# than a compile: pass a larger ``buy``.
+COMPILE_TOKENS = 1024
 
 
 def cdiv(a: int, b: int) -> int:

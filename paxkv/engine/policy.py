@@ -105,6 +105,21 @@ def decode_width(num_live: int, max_seqs: int) -> int:
     return buckets.pow2(num_live, 8, max_seqs)
 
 
+def decode_window_tokens(longest: int, final: int, shared: int) -> int:
+    """The row length a decode step's window is sized for: ``final`` (the longest stepping
+    row's keys at its end) when its own part past the ``shared`` prefix is at most twice what
+    it is now (``longest``), else ``longest``.
+
+    Every window bucket a decode run crosses compiles a step of its own (~1.7 s for SmolLM2 on
+    2 cores, some 14 of its decode steps). Short answers on long contexts (chat turns, an
+    evaluation's generations, the shared-prompt workload W2: 448 -> 480 -> 512) then compile
+    their one last window at the start and run it padded by at most their own part; a long
+    generation keeps the window of its length now (a padded window would be read every step
+    for thousands of steps)."""
+    own = max(1, longest - shared)
+    return final if shared + 2 * own >= final >= longest else longest
+
+
 def tokens_to_write(req: Request) -> int:
     """Tokens ``req`` will still write to its row: prompt tokens not yet prefilled and tokens
     still to generate (the last generated token is never fed, so never written)."""
@@ -154,8 +169,8 @@ class Shapes:
     costs about what one full prefill call does (3-5 s for SmolLM2-135M; the offline workload's
     first pass spent 27 s of its 213 s compiling six step variants). So a call that a compiled
     shape can hold, at most ``rows`` rows of at most ``width`` tokens, runs there, padded,
-    until the padding paid in place of its own shape passes ``buy`` tokens; then its own shape
-    compiles. That is the ski-rental rule: it never pays more than twice the better of "always
+    until the padding paid in place of its own shape would pass ``buy`` tokens (counting every
+    call a batch needs in a shape of fewer rows); then its own shape compiles. That is the ski-rental rule: it never pays more than twice the better of "always
     compile" and "always pad" in hindsight, and a workload of a few calls compiles a few shapes
     where fine buckets would compile one per length class. ``buy=0`` compiles every tight shape;
     the default is :data:`paxkv.core.buckets.COMPILE_TOKENS`.
@@ -175,13 +190,18 @@ class Shapes:
         if tight in self.owned or not self.owned:
             self.owned.add(tight)
             return tight
-        options = [(b * t - buckets.pow2(min(rows, b)) * width, (b, t))
+        # A shape of fewer rows runs the batch in several calls: the rent is judged on all of
+        # them (a 31-row batch of 48 tokens in a 1 x 512 step pays 31 x 464, not 464: before
+        # this, a shared prompt's 31 followers ran one by one, four calls of ~0.9 s each, until
+        # the rent passed the price), and charged call by call.
+        options = [(buckets.cdiv(rows, b) * b * t - tight[0] * width,
+                    b * t - buckets.pow2(min(rows, b)) * width, (b, t))
                    for b, t in self.owned if t >= width]
         if options:
-            extra, shape = min(options)
-            paid = self.rent.get(tight, 0) + extra
-            if paid <= self.buy:
-                self.rent[tight] = paid
+            whole, extra, shape = min(options)
+            paid = self.rent.get(tight, 0)
+            if paid + whole <= self.buy:
+                self.rent[tight] = paid + extra
                 return shape
         self.owned.add(tight)
         return tight

@@ -201,7 +201,8 @@ class Scheduler:
         live_rows = np.flatnonzero(live)
         stepping = [self.table.rows[i] for i in live_rows]
         plan = self.plan(stepping, max(len(r.tokens) for r in self.table.rows if r is not None),
-                          decode_lengths=[len(r.tokens) for r in stepping])
+                          decode_lengths=[len(r.tokens) for r in stepping],
+                          final=max(r.cached + policy.tokens_to_write(r) for r in stepping))
         width, s = policy.decode_width(live_rows.size, self.ops.max_seqs), self.ops.max_seqs
         if width < s:
             # Few rows live: run only them (a batch of ``width`` rows gathered by ``rows``)
@@ -231,15 +232,19 @@ class Scheduler:
             self.life.preempt(victim)
 
     def plan(self, stepping: list[Request], longest: int,
-              decode_lengths: list[int] | None = None) -> attention_plan.AttentionPlan:
+              decode_lengths: list[int] | None = None,
+              final: int | None = None) -> attention_plan.AttentionPlan:
         """The step's attention plan: the window of the longest row, the pages every stepping
         row shares (their cached tokens' common prefix, when rows may share pages) and, for a
-        decode step, the chunk list of the rows' own tokens."""
+        decode step, the chunk list of the rows' own tokens. ``final``: a decode step's
+        longest row at its end (:func:`paxkv.engine.policy.decode_window_tokens`)."""
         cache = self.ops.cache
         prefix = 0
         if cache.shares_pages and self.ops.shares:
             prefix = attention_plan.shared_prefix_pages(
                 [r.tokens[:min(x.cached for x in stepping)] for r in stepping], cache.page_size)
+        if final is not None:
+            longest = policy.decode_window_tokens(longest, final, prefix * cache.page_size)
         self.last_plan = attention_plan.plan_step(
             longest=longest, max_len=cache.max_len, page_size=cache.page_size,
             prefix_pages=prefix, decode_lengths=decode_lengths if cache.shares_pages else None,

@@ -13,8 +13,8 @@ of two from 4; candidates to powers of two from 8; the attention window to a pow
 **Ski rental over whole programs.** A step first looks for a known program at least as wide,
 with as many candidates and a plan that covers its own (:meth:`~paxkv.core.plan.AttentionPlan.
 covers`: a window at least as long), and runs there, padded, until the padding paid in place of
-its own tight program passes :data:`RENT_TOKENS` (what one compile costs on 2 CPU cores, in
-tokens of step work); then its tight program compiles. So a workload never
+its own tight program passes :data:`paxkv.core.buckets.COMPILE_TOKENS` (what one compile costs
+on 2 CPU cores, in tokens of step work); then its tight program compiles. So a workload never
 pays more than twice the better of "compile every tight program" and "pad into what is known",
 and a scorer kept across tasks (the lm-eval backend keeps one) runs a new task of ordinary
 lengths mostly in programs it has (``tests/test_step_shapes.py``: at most 6 compiles a task).
@@ -50,14 +50,6 @@ from paxkv.scoring import steps
 
 KINDS = ("context", "continuation")
 
-# What renting may cost in place of one compile, in padded tokens: a scoring step's compile
-# takes 1.1-2.0 s on 2 CPU cores plus ~0.4 s tracing and lowering, and a padded token of a
-# scoring step 1.6-2.8 ms (a continuation step computes logits at every position): one compile
-# is ~700-1,300 tokens (experiments.eval_cold, 12-05). At buckets.COMPILE_TOKENS (2,048, priced
-# on the engine's prefill) a two-choice task rented a 4 x 512 program for 2-row steps six times:
-# 24 s of steps where compiling its own would have cost 2.
-RENT_TOKENS = 1024
-
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
@@ -84,7 +76,7 @@ class StepShapes:
     """The programs a scorer knows (compiled, or remembered), the rent paid in place of each
     tight one, and the record of every program it ran."""
 
-    def __init__(self, buy: int = RENT_TOKENS) -> None:
+    def __init__(self, buy: int = buckets.COMPILE_TOKENS) -> None:
         self.buy = buy
         self.known: dict[str, dict[StepShape, None]] = {kind: {} for kind in KINDS}
         self.rent: dict[StepShape, int] = {}
