@@ -20,6 +20,12 @@ with ``q [b, t, num_heads, head_dim]``, ``k, v [b, t, num_kv_heads, head_dim]`` 
 ``layer_index`` the int32 scan counter, so the model never knows how (or whether) KV is stored
 (:class:`paxkv.core.protocol.KVCache`); the step's attention plan rides on ``step``.
 
+A prefill step whose plan names ``packed_tokens`` runs everything but attention (embedding,
+norms, projections, RoPE, MLP) over its real tokens packed into ``[1, T]``
+(:class:`paxkv.core.packing.Packing`) and hands the cache ``[b, t]`` again around ``attend``:
+rows of unequal prompts leave a quarter of a call's slots padding, and those layers are nearly
+all of its arithmetic.
+
 Params (what the loaders build; ``L`` layers, ``D`` hidden, ``H``/``K`` q/kv heads, ``Dh`` head dim,
 ``F`` FFN width, ``V`` vocab)::
 
@@ -47,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxkv.core.packing import Packing
 from paxkv.core.step_info import StepInfo
 
 from .config import DecoderConfig
@@ -126,8 +133,8 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, rope: Rope, cache: Cache, layer: jax.Array,
-                 step: StepInfo) -> tuple[Cache, jax.Array]:
-        """x ``[b, t, D]`` -> ``(cache, [b, t, D])``."""
+                 step: StepInfo, pack: Packing | None = None) -> tuple[Cache, jax.Array]:
+        """x ``[b, t, D]`` (``[1, T, D]`` packed by ``pack``) -> ``(cache, x's shape)``."""
         c = self.config
         proj = lambda heads, name: nn.DenseGeneral(  # noqa: E731
             (heads, c.head_dim), use_bias=c.attention_bias, dtype=self.dtype, name=name)
@@ -137,8 +144,12 @@ class Attention(nn.Module):
         cos, sin = layer_rope(c, rope, layer)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = proj(c.num_kv_heads, "v_proj")(x)
+        if pack is not None:  # the cache reads and writes by row
+            q, k, v = pack.unpack(q), pack.unpack(k), pack.unpack(v)
         cache, out = cache.attend(layer, q, k, v, step, sm_scale=c.sm_scale,
                                   logit_soft_cap=c.attn_logit_softcap)
+        if pack is not None:
+            out = pack.pack(out)
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
                               name="o_proj")(out.astype(self.dtype))
         return cache, out
@@ -173,12 +184,13 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, carry: tuple[jax.Array, Cache, jax.Array], rope: Rope,
-                 step: StepInfo) -> tuple[tuple[jax.Array, Cache, jax.Array], None]:
-        """carry = (hidden ``[b, t, D]``, cache, int32 layer index)."""
+                 step: StepInfo, pack: Packing | None
+                 ) -> tuple[tuple[jax.Array, Cache, jax.Array], None]:
+        """carry = (hidden ``[b, t, D]`` or packed ``[1, T, D]``, cache, int32 layer index)."""
         x, cache, layer = carry
         c, norm = self.config, functools.partial(_norm, self.config, self.dtype)
         cache, attn = Attention(c, self.dtype, name="attn")(
-            norm("input_norm")(x), rope, cache, layer, step)
+            norm("input_norm")(x), rope, cache, layer, step, pack)
         if c.sandwich_norms:
             x = x + norm("post_attn_norm")(attn)
             h = norm("pre_ffw_norm")(x)
@@ -214,15 +226,24 @@ class Llama(nn.Module):
         projected onto the vocabulary: the ``[D, V]`` matmul is the largest in a decode step.
         """
         c = self.config
+        packed = step.plan.packed_tokens
+        pack = (Packing.make(step.valid, packed)
+                if packed is not None and tokens.shape[1] > 1 else None)
+        positions = step.positions
+        if pack is not None:  # token-wise layers over the real tokens only
+            tokens, positions = pack.pack(tokens), pack.pack(positions)
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, name="embed")
         x = embed(tokens)
         if c.embed_scale:  # HF rounds sqrt(D) to the activation dtype first (Gemma)
             x = x * jnp.asarray(np.float32(c.hidden_size ** 0.5), self.dtype)
         layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
+                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                         length=c.num_layers)
         (x, cache, _), _ = layers(c, self.dtype, name="layers")(
-            (x, cache, jnp.zeros((), jnp.int32)), model_rope(c, step.positions), step)
-        if not all_logits:
+            (x, cache, jnp.zeros((), jnp.int32)), model_rope(c, positions), step, pack)
+        if pack is not None:
+            x = pack.unpack(x) if all_logits else pack.last(x, step.query_lengths)
+        elif not all_logits:
             last = jnp.maximum(step.query_lengths - 1, 0)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [b, D]
         x = _norm(c, self.dtype, "final_norm")(x)
@@ -235,7 +256,10 @@ class Llama(nn.Module):
                                 (c.hidden_size, c.vocab_size), jnp.float32)
             logits = jnp.einsum("...d,dv->...v", x, kernel.astype(self.dtype),
                                 preferred_element_type=jnp.float32)
-        return _soft_cap(logits.astype(jnp.float32), c.final_logit_softcap), cache
+        logits = _soft_cap(logits.astype(jnp.float32), c.final_logit_softcap)
+        if pack is not None:  # packed_tokens below the step's tokens: never a silent answer
+            logits = jnp.where(pack.overflow, jnp.nan, logits)
+        return logits, cache
 
 
 Decoder = Llama

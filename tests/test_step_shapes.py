@@ -129,6 +129,18 @@ def test_a_scorer_plans_with_the_shapes_an_earlier_one_remembered(tmp_path):
     assert scorer().programs.folder is None
 
 
+def test_the_record_is_written_only_when_a_program_was_added(tmp_path):
+    """A call that ran only known programs leaves the record alone (each write reads and
+    replaces the whole file), and so does a scorer that only recalled it."""
+    s = remembering(str(tmp_path))
+    s.score(task(1))
+    record = tmp_path / "paxkv-scoring" / f"{layout_key(s.lm, s.cache)}.json"
+    written = record.stat().st_ino  # os.replace gives every write a new file
+    s.score(task(1))
+    remembering(str(tmp_path)).programs.save()
+    assert record.stat().st_ino == written
+
+
 def test_step_shapes_round_trip_and_check_their_fields():
     shape = StepShape("continuation", 8, 16, 16, AttentionPlan(window=256, prefix_pages=2))
     assert from_json(to_json([shape])) == [shape]

@@ -39,6 +39,14 @@ def fine(n: int, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, p)))
 
 
+def eighths(n: int, lo: int, hi: int) -> int:
+    """The first multiple of ``2 ** (bit_length(n) - 4)`` >= ``n`` (eight sizes per doubling,
+    at most an eighth padding), clamped to ``[lo, hi]``: a prefill call's packed tokens,
+    whose padding costs as much as a real token."""
+    step = 1 << max(0, int(n).bit_length() - 4)
+    return int(min(hi, max(lo, cdiv(n, step) * step)))
+
+
 def prefix_bucket(num_pages: int) -> int:
     """The largest of 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... <= ``num_pages``: a shared-prefix
     hint is rounded *down* (a shorter shared prefix is still shared)."""

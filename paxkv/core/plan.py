@@ -45,11 +45,16 @@ class AttentionPlan:
         :data:`CHUNK_TOKENS` past the shared prefix (the XLA decode
         path's work list); more makes the step cover every row's whole window. None: the
         whole window. Paged caches only.
+      packed_tokens: a prefill step's real tokens number at most this: the model runs its
+        token-wise layers over them packed (:class:`paxkv.core.packing.Packing`), not over
+        every ``[batch, q_len]`` slot. Not a checked hint: a step with more real tokens
+        returns NaN logits. None: every slot (a model that does not pack ignores it).
     """
 
     window: int | None = None
     prefix_pages: int = 0
     decode_chunks: int | None = None
+    packed_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
@@ -62,13 +67,19 @@ class AttentionPlan:
                                                or self.decode_chunks < 1):
             raise ValueError(f"AttentionPlan.decode_chunks must be None or an int >= 1, got "
                              f"{self.decode_chunks!r}")
+        if self.packed_tokens is not None and (not isinstance(self.packed_tokens, int)
+                                               or self.packed_tokens < 1):
+            raise ValueError(f"AttentionPlan.packed_tokens must be None or an int >= 1, got "
+                             f"{self.packed_tokens!r}")
 
     def covers(self, other: "AttentionPlan") -> bool:
         """Whether a step compiled for this plan serves ``other``'s rows on its fast path:
         every hint that holds for them holds for this one (the same shared prefix, a window
-        and a chunk list at least as long), so a caller may reuse this compiled step."""
+        and a chunk list at least as long, at least as many packed tokens or every slot), so a
+        caller may reuse this compiled step."""
         longer = lambda a, b: a is None if b is None else a is None or a >= b  # noqa: E731
         return (self.prefix_pages == other.prefix_pages and longer(self.window, other.window)
+                and longer(self.packed_tokens, other.packed_tokens)
                 and (self.decode_chunks is None) == (other.decode_chunks is None)
                 and longer(self.decode_chunks, other.decode_chunks))
 

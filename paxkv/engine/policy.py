@@ -82,6 +82,15 @@ def prefill_width(longest: int, prefill_chunk: int) -> int:
     return buckets.fine(longest, MIN_PREFILL_WIDTH, prefill_chunk)
 
 
+def packed_tokens(real: int, slots: int) -> int | None:
+    """The packed size of a prefill call of ``real`` tokens in ``slots`` (rows x width):
+    :func:`paxkv.core.buckets.eighths` of ``real`` (at most an eighth padding; a call of
+    another size rents a compiled one, :meth:`Shapes.plan`), or None when that saves no slot
+    (the call runs unpacked)."""
+    size = buckets.eighths(real, MIN_PREFILL_WIDTH, slots)
+    return size if size < slots else None
+
+
 def prefill_rows(width: int, prefill_tokens: int) -> int:
     """Rows per prefill call at ``width``: the largest power of two within the token budget
     (a batch is padded to a power of two anyway)."""
@@ -180,6 +189,8 @@ class Shapes:
     owned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     rent: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     plans: dict[tuple[int, int], list[AttentionPlan]] = dataclasses.field(default_factory=dict)
+    plan_rent: dict[tuple[tuple[int, int], AttentionPlan], int] = dataclasses.field(
+        default_factory=dict)
 
     def choose(self, rows: int, width: int, max_rows: int) -> tuple[int, int]:
         """``(b, t)`` for a call of ``rows`` requests of at most ``width`` tokens each: the
@@ -209,10 +220,18 @@ class Shapes:
     def plan(self, shape: tuple[int, int], plan: AttentionPlan) -> AttentionPlan:
         """A plan already compiled at ``shape`` that covers ``plan``
         (:meth:`~paxkv.core.plan.AttentionPlan.covers`: a longer window, say), else
-        ``plan`` itself, from now on compiled there."""
+        ``plan`` itself, from now on compiled there. A covering plan that packs more tokens
+        (or none: every slot) is rented like a shape: while the tokens it pads past
+        ``plan``'s, summed over the calls of ``plan``, stay within ``buy``."""
         compiled = self.plans.setdefault(shape, [])
-        for p in compiled:
-            if p.covers(plan):
-                return p
+        size = lambda p: p.packed_tokens or shape[0] * shape[1]  # noqa: E731
+        options = [(size(p) - size(plan), i) for i, p in enumerate(compiled) if p.covers(plan)]
+        if options:
+            extra, i = min(options)
+            paid = self.plan_rent.get((shape, plan), 0) + extra
+            if paid <= self.buy:
+                if extra:
+                    self.plan_rent[(shape, plan)] = paid
+                return compiled[i]
         compiled.append(plan)
         return plan

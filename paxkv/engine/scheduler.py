@@ -25,6 +25,7 @@ of its own requests and evicts only its own cached pages.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -154,8 +155,11 @@ class Scheduler:
         for i, r in enumerate(batch):
             chunk = r.tokens[r.cached: min(r.cached + t, r.target)]
             tokens[i, : len(chunk)], rows[i], qlen[i] = chunk, r.row, len(chunk)
-        plan = self.shapes.plan((b, t), self.plan(
-            batch, max(r.cached + int(q) for r, q in zip(batch, qlen))))
+        plan = self.plan(batch, max(r.cached + int(q) for r, q in zip(batch, qlen)))
+        if self.ops.num_shards == 1:  # packing would mix the data shards' rows
+            plan = dataclasses.replace(
+                plan, packed_tokens=policy.packed_tokens(int(qlen.sum()), b * t))
+        plan = self.shapes.plan((b, t), plan)
         self.last_plan = plan
         drawn, ok = self.ops.prefill(self.model, tokens, rows, qlen,
                                      self.rows.sampling_for(rows), plan, _logprobs(batch))

@@ -218,13 +218,17 @@ class Programs:
         for s in recall(folder, self.key) if folder else []:
             if s.rows <= ops.max_seqs and (s.plan.window or 0) <= ops.max_len:
                 self.shapes.adopt(s)
+        self._saved = len(self.shapes.shapes())  # programs known when the record was last read
 
     def save(self) -> None:
-        """Adds the programs run so far to the folder's record (nothing without a folder; a
-        folder it cannot write is skipped: the record is a hint, never needed)."""
-        if self.folder:
+        """Adds the programs run so far to the folder's record (nothing without a folder, or
+        when no program was added since the last save; a folder it cannot write is skipped:
+        the record is a hint, never needed)."""
+        shapes = self.shapes.shapes()
+        if self.folder and len(shapes) != self._saved:
             try:
-                remember(self.folder, self.key, self.shapes.shapes())
+                remember(self.folder, self.key, shapes)
+                self._saved = len(shapes)
             except OSError:
                 pass
 
