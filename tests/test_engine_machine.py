@@ -325,22 +325,28 @@ def run_machine(machine: type = EngineMachine, examples: int = 45) -> int:
     return OPS["count"]
 
 
-@pytest.mark.slow  # ~2-4 minutes of engine steps: `make test` runs it, `make test-fast` not
-def test_engine_state_machine():
-    """>= 2,000 operations with 0 invariant breaks, in a process of its own: a pytest worker
-    that had run other files twice died in XLA's compile of a decode step here (a segmentation
-    fault; never seen in a fresh process), and a dead worker hangs the suite."""
-    code = ("import sys; sys.path.insert(0, 'tests'); import test_engine_machine as t; "
-            "print('operations:', t.run_machine(), 'parent cancels:', t.OPS['parent_cancels'])")
-    # Three quarters of this run is XLA compiling ~50 step variants of a model too small for
-    # its optimisations to matter: the unoptimised backend compiles them in two thirds of
-    # the time (97 s -> 74 s alone, same operations).
+def _in_own_process(call: str) -> str:
+    """Runs ``call`` (Python that prints) with this module as ``t`` in a fresh interpreter and
+    returns its stdout. A process of its own: a pytest worker that had run other files twice
+    died in XLA's compile of a decode step here (a segmentation fault; never seen in a fresh
+    process), and a dead worker hangs the suite.
+    Three quarters of a machine's run is XLA compiling ~50 step variants of a model too small
+    for its optimisations to matter: the unoptimised backend compiles them in two thirds of
+    the time (97 s -> 74 s alone, same operations)."""
+    code = f"import sys; sys.path.insert(0, 'tests'); import test_engine_machine as t; {call}"
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=1200, env=dict(os.environ, XLA_FLAGS=flags))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    ops, cancels = map(int, re.search(r"operations: (\d+) parent cancels: (\d+)",
-                                      proc.stdout).groups())
+    return proc.stdout
+
+
+@pytest.mark.slow  # ~2-4 minutes of engine steps: `make test` runs it, `make test-fast` not
+def test_engine_state_machine():
+    """>= 2,000 operations with 0 invariant breaks, in a process of its own."""
+    out = _in_own_process("print('operations:', t.run_machine(), 'parent cancels:', "
+                          "t.OPS['parent_cancels'])")
+    ops, cancels = map(int, re.search(r"operations: (\d+) parent cancels: (\d+)", out).groups())
     print(f"engine state machine: {ops} operations, {cancels} cancels of sampling parents")
     assert ops >= 2000, ops
     # What catches a cancel that leaves samples running: 60 here (the derandomized examples are
@@ -353,13 +359,8 @@ def test_engine_state_machine_with_a_host_tier():
     """The machine again with the prefix cache's host tier (:class:`HostTierMachine`, returning
     requests among its rules): >= 800 operations, 0 invariant breaks, every page free and the
     host tier empty once cleared, tokens equal to the reference's; its own process, as above."""
-    code = ("import sys; sys.path.insert(0, 'tests'); import test_engine_machine as t; "
-            "print('operations:', t.run_machine(t.HostTierMachine, 15))")
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=1200, env=dict(os.environ, XLA_FLAGS=flags))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    ops = int(re.search(r"operations: (\d+)", proc.stdout).group(1))
+    out = _in_own_process("print('operations:', t.run_machine(t.HostTierMachine, 15))")
+    ops = int(re.search(r"operations: (\d+)", out).group(1))
     assert ops >= 800, ops
 
 
