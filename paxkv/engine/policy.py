@@ -179,10 +179,11 @@ class Shapes:
     first pass spent 27 s of its 213 s compiling six step variants). So a call that a compiled
     shape can hold, at most ``rows`` rows of at most ``width`` tokens, runs there, padded,
     until the padding paid in place of its own shape would pass ``buy`` tokens (counting every
-    call a batch needs in a shape of fewer rows); then its own shape compiles. That is the ski-rental rule: it never pays more than twice the better of "always
-    compile" and "always pad" in hindsight, and a workload of a few calls compiles a few shapes
-    where fine buckets would compile one per length class. ``buy=0`` compiles every tight shape;
-    the default is :data:`paxkv.core.buckets.COMPILE_TOKENS`.
+    call a batch needs in a shape of fewer rows); then its own shape compiles. That is the
+    ski-rental rule: it never pays more than twice the better of "always compile" and "always
+    pad" in hindsight, and a workload of a few calls compiles a few shapes where fine buckets
+    would compile one per length class. ``buy=0`` compiles every tight shape; the default is
+    :data:`paxkv.core.buckets.COMPILE_TOKENS`.
     """
 
     buy: int = buckets.COMPILE_TOKENS
