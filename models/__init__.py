@@ -98,7 +98,8 @@ class LanguageModel:
         return windows if windows is not None and any(w is not None for w in windows) else None
 
     def forward(self, params: Params, tokens: jax.Array, step: StepInfo, cache: Any, *,
-                all_logits: bool = False) -> tuple[jax.Array, Any]:
+                all_logits: bool = False, packed_logits: bool = False
+                ) -> tuple[jax.Array, Any]:
         """One model step over ``[b, t]`` tokens; every layer attends through ``cache``
         (:meth:`paxkv.core.protocol.Model.forward`).
 
@@ -110,12 +111,16 @@ class LanguageModel:
           cache: a :class:`paxkv.core.protocol.KVCache`, traced.
           all_logits: static; ``True`` -> ``[b, t, vocab]``, else ``[b, vocab]`` at each row's
             last real token (the vocab matmul runs only there).
+          packed_logits: static; with ``all_logits``, a step that packs its tokens
+            (:meth:`paxkv.core.packing.Packing.of`) returns them packed, ``[1, T, vocab]``:
+            the vocab matmul then skips the padding too (what :mod:`paxkv.scoring` reads).
 
         Returns:
           ``(float32 logits, new cache)``.
         """
         module = Llama(self.config, dtype=self.compute_dtype)
-        return module.apply(params, tokens, step, cache, all_logits=all_logits)
+        return module.apply(params, tokens, step, cache, all_logits=all_logits,
+                            packed_logits=packed_logits)
 
     def _text(self, method: str) -> Tokenizer:
         if self.tokenizer is None:

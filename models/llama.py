@@ -219,16 +219,16 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, step: StepInfo, cache: Cache, *,
-                 all_logits: bool = False) -> tuple[jax.Array, Cache]:
+                 all_logits: bool = False, packed_logits: bool = False
+                 ) -> tuple[jax.Array, Cache]:
         """tokens int32 ``[b, t]`` -> (float32 logits ``[b, vocab]`` or ``[b, t, vocab]``, cache).
 
         With ``all_logits=False`` only each row's last real token (``query_lengths - 1``) is
         projected onto the vocabulary: the ``[D, V]`` matmul is the largest in a decode step.
+        ``packed_logits`` with ``all_logits`` and a packing step: ``[1, T, vocab]``, packed.
         """
         c = self.config
-        packed = step.plan.packed_tokens
-        pack = (Packing.make(step.valid, packed)
-                if packed is not None and tokens.shape[1] > 1 else None)
+        pack = Packing.of(step.valid, step.plan.packed_tokens)
         positions = step.positions
         if pack is not None:  # token-wise layers over the real tokens only
             tokens, positions = pack.pack(tokens), pack.pack(positions)
@@ -242,7 +242,10 @@ class Llama(nn.Module):
         (x, cache, _), _ = layers(c, self.dtype, name="layers")(
             (x, cache, jnp.zeros((), jnp.int32)), model_rope(c, positions), step, pack)
         if pack is not None:
-            x = pack.unpack(x) if all_logits else pack.last(x, step.query_lengths)
+            if not all_logits:
+                x = pack.last(x, step.query_lengths)
+            elif not packed_logits:
+                x = pack.unpack(x)
         elif not all_logits:
             last = jnp.maximum(step.query_lengths - 1, 0)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [b, D]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,10 @@ from paxkv.core.packing import Packing
 from paxkv.core.plan import AttentionPlan
 from paxkv.core.step_info import StepInfo
 from paxkv.engine import policy
+from paxkv.scoring.batches import child_groups
+from paxkv.scoring.programs import Programs
+from paxkv.scoring.shapes import StepShape, StepShapes, runs
+from paxkv.scoring.steps import scored
 from tiny import tiny_lm
 
 
@@ -84,3 +90,75 @@ def test_a_packed_size_rents_a_larger_compiled_one_until_the_padding_costs_a_com
     assert shapes.plan((8, 512), AttentionPlan(packed_tokens=2944)) is small  # 128
     assert shapes.plan((8, 512), AttentionPlan()) == AttentionPlan()  # every slot: its own
     assert policy.packed_tokens(3651, 4096) == 3840 and policy.packed_tokens(4000, 4096) is None
+
+
+# -- scoring steps pack too ---------------------------------------------------------------------
+def _ragged_pairs(seed: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for n in (57, 6, 33, 91, 18):
+        ctx = tuple(int(x) for x in rng.integers(1, 256, n))
+        pairs += [(ctx, tuple(int(x) for x in rng.integers(1, 256, int(k))))
+                  for k in rng.integers(1, 21, 3)]
+    return pairs
+
+
+def test_packed_scoring_steps_give_the_unpacked_log_likelihoods(monkeypatch):
+    """Context and continuation steps pack their real tokens (the continuation's vocab
+    projection and log-softmax too): every log-probability and greedy flag is the one every
+    slot gives, and the pool is all free after."""
+    lm = tiny_lm(scale=1.0)
+    pairs = _ragged_pairs(3)
+
+    def run():
+        scorer = paxkv.Scorer(lm, max_seqs=8, max_len=128, page_size=8, remember_shapes=False)
+        out = scorer.score(pairs)
+        assert scorer.ops.free == scorer.cache.total_pages
+        return out, [s.plan.packed_tokens for s in scorer.programs.shapes.shapes()]
+
+    packed, sizes = run()
+    assert any(s is not None for s in sizes)
+    monkeypatch.setattr(Programs, "packs", property(lambda self: False))
+    plain, sizes = run()
+    assert all(s is None for s in sizes)
+    for a, b in zip(packed, plain):
+        np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, rtol=1e-5, atol=1e-5)
+        assert a.is_greedy == b.is_greedy
+
+
+def test_a_packed_scoring_step_below_its_real_tokens_gives_nan():
+    lm = tiny_lm(scale=1.0)
+    scorer = paxkv.Scorer(lm, max_seqs=4, max_len=64, page_size=8, remember_shapes=False)
+    tokens = jnp.ones((2, 8), jnp.int32)
+    out = scored(scorer.programs.forward_all, lm.params, scorer.cache, tokens,
+                 jnp.array([0, 1]), jnp.array([8, 5]), tokens,
+                 plan=AttentionPlan(packed_tokens=12))
+    assert np.isnan(np.asarray(out[1])[0]).any()
+
+
+def test_a_packed_program_runs_the_rows_whose_tokens_it_holds_and_is_rented_on_all_calls():
+    plan = AttentionPlan(window=256)
+    known = StepShape("context", 8, 256, 8, dataclasses.replace(plan, packed_tokens=1024))
+    assert runs(known, [300, 300, 300, 300]) == 3 and runs(known, [1100]) == 0
+    assert runs(known, None) == 8 and runs(known, [10] * 12) == 8
+    shapes = StepShapes(buy=1024)
+    shapes.adopt(known)
+    # 1,025 tokens of 7 rows: two calls of the known program (2 x (1,024 + 2,048 / 6 + 128))
+    # against one tight call (1,152 + 341 + 128): 1,365 more, past the price: compiled.
+    tight = shapes.choose("context", 7, 256, 8, 32, plan, 2048, 512, [150] * 6 + [125])
+    assert tight.rows == 8 and tight.plan.packed_tokens == 1152
+    # 1,500 tokens: its tight program packs 1,536, and two calls cost 981 more: rented.
+    assert shapes.choose("context", 8, 256, 8, 32, plan, 2048, 512, [200] * 7 + [100]) == known
+    # 900 tokens: one call of the known program, 64 tokens of padding past its own: rented.
+    assert shapes.choose("context", 8, 256, 8, 32, plan, 2048, 512, [150] * 6) == known
+    # A step whose first row the program cannot hold never rents it.
+    assert shapes.choose("context", 1, 256, 8, 32, plan, 2048, 512, [250]) != known
+
+
+def test_packed_child_steps_count_their_tokens_against_the_budget():
+    """A budget of 64 tokens: unpacked, at most 16 rows of width 4; packed, the rows feeding
+    at most 64 tokens (20 rows of 3 in one step)."""
+    assert child_groups([3] * 20, cap=512, max_rows=32, budget=64) == [(0, 16), (16, 20)]
+    assert child_groups([3] * 20, cap=512, max_rows=32, budget=64, packs=True) == [(0, 20)]
+    groups = child_groups([3] * 30, cap=512, max_rows=32, budget=64, packs=True)
+    assert len(groups) == 2 and all(3 * (e - s) <= 64 for s, e in groups)

@@ -45,9 +45,9 @@ class AttentionPlan:
         :data:`CHUNK_TOKENS` past the shared prefix (the XLA decode
         path's work list); more makes the step cover every row's whole window. None: the
         whole window. Paged caches only.
-      packed_tokens: a prefill step's real tokens number at most this: the model runs its
-        token-wise layers over them packed (:class:`paxkv.core.packing.Packing`), not over
-        every ``[batch, q_len]`` slot. Not a checked hint: a step with more real tokens
+      packed_tokens: a prefill or scoring step's real tokens number at most this: the model
+        runs its token-wise layers over them packed (:class:`paxkv.core.packing.Packing`),
+        not over every ``[batch, q_len]`` slot. Not a checked hint: a step with more real tokens
         returns NaN logits. None: every slot (a model that does not pack ignores it).
     """
 

@@ -17,6 +17,8 @@ from typing import Sequence
 import numpy as np
 
 from paxkv.core import buckets
+from paxkv.core.packing import step_work
+from paxkv.engine.policy import packed_tokens
 from paxkv.scoring.requests import Group, Pair
 
 
@@ -99,35 +101,45 @@ def candidates_width(batch: Sequence[ContextRow], pairs: Sequence[Pair]) -> int:
     return buckets.pow2(max(len(r.group.firsts(pairs)) for r in batch), 8)
 
 
-# What a step costs beyond its batch x width tokens, in tokens (reading the weights, the page
-# table ops; SmolLM2-135M on this CPU: a child step of 8 x 4 took 0.55 s, 8 x 16 1.2 s): the
-# child-step planner weighs one more step (and one more compiled shape) against the padding
-# it saves.
-STEP_TOKENS = 64
+# What a step costs beyond its tokens, in tokens: reading the weights, the page table's ops,
+# the host's arrays. SmolLM2-135M on 2 CPU cores (12-05): a packed 2 x 256 context step of
+# 440 tokens took 0.74 s alone and ~0.97 s inside a scoring run, where its tokens account
+# for ~0.6 s. The shape planners weigh one more step against the padding it saves; at 64, a
+# two-choice task's 16 contexts ran as eight 2-row steps of ~1 s, not one of ~5 s.
+STEP_TOKENS = 128
 
 
 def child_groups(lefts: Sequence[int], cap: int, max_rows: int, budget: int,
-                 compiled: set[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+                 compiled: set[tuple[int, int]] | None = None, packs: bool = False
+                 ) -> list[tuple[int, int]]:
     """Splits child rows into steps: ``lefts`` (tokens each still feeds, longest first) ->
     ``[(start, end)]`` ranges, one step each, chosen to minimise the padded work.
 
     A step's shape is ``pow2(rows) x pow2(longest left)`` (width 4 .. ``cap``, rows at most
-    ``max_rows`` and ``budget // width``): one step for 32 continuations of 2-20 tokens is
+    ``max_rows`` and ``budget // width``, or when it ``packs``, rows feeding at most
+    ``budget`` tokens): one step for 32 continuations of 2-20 tokens is
     32 x 32 = 1,024 tokens for ~350 real ones; steps of like lengths pad far less, at
     :data:`STEP_TOKENS` per extra step and :data:`paxkv.core.buckets.COMPILE_TOKENS` per shape not in
-    ``compiled`` (which the chosen shapes join). A shortest path over the sorted rows (a batch
-    of children is at most the cache's rows: O(n^2) on the host)."""
+    ``compiled`` (which the chosen shapes join). A step that ``packs`` its tokens
+    (:class:`paxkv.core.packing.Packing`) costs its packed tokens and a share of its slots
+    (:func:`paxkv.core.packing.step_work`), so wide steps pad little. A shortest path over the
+    sorted rows (a batch of children is at most the cache's rows: O(n^2) on the host)."""
     compiled = set() if compiled is None else compiled
     n = len(lefts)
+    fed = np.concatenate([[0], np.cumsum(np.minimum(lefts, cap))])  # what rows feed a step
     best = [0] + [1 << 60] * n  # best[i]: the cheapest plan of the first i rows
     cut = [0] * (n + 1)
     for end in range(1, n + 1):
         for start in range(end - 1, -1, -1):
             t = step_width(lefts[start], cap)
-            if end - start > max(1, min(max_rows, budget // t)):
+            rows = fed[end] - fed[start] if packs else (end - start) * t  # the budget's count
+            if end - start > max(1, max_rows) or (end - start > 1 and rows > budget):
                 break
             shape = (buckets.pow2(end - start), t)
-            cost = (best[start] + shape[0] * t + STEP_TOKENS
+            slots = shape[0] * t
+            work = (step_work(slots, packed_tokens(int(fed[end] - fed[start]), slots))
+                    if packs else slots)
+            cost = (best[start] + work + STEP_TOKENS
                     + (0 if shape in compiled else buckets.COMPILE_TOKENS))
             if cost < best[end]:
                 best[end], cut[end] = cost, start

@@ -37,7 +37,8 @@ from paxkv.scoring.batches import (ChildRow, ContextRow, candidates_width, check
                                    step_width)
 from paxkv.scoring.requests import Pair, group
 from paxkv.scoring.results import ScoreResult, ScoreStats
-from paxkv.scoring.shapes import Programs, StepShape
+from paxkv.scoring.programs import Programs
+from paxkv.scoring.shapes import StepShape
 from paxkv.scoring.shared import SharedContexts
 
 
@@ -60,8 +61,8 @@ class Scorer:
         build_cache`): each context and its continuations share pages in one data shard
         (:func:`paxkv.engine.routing.pick_shard`); no prefix index across contexts there.
       compile_cache: JAX's persistent compilation cache (:class:`paxkv.Engine`'s argument).
-      remember_shapes: keep the step shapes run beside that cache, so a later scorer of the
-        same layout, in any process, plans with them (:class:`~paxkv.scoring.shapes.Programs`).
+      remember_shapes: keep the programs run beside that cache: a later scorer of this layout,
+        in any process, plans with them (:class:`~paxkv.scoring.programs.Programs`).
     """
 
     def __init__(self, lm: Any, *, cache: str = "paged", share: bool = True,
@@ -151,8 +152,7 @@ class Scorer:
     # -- admission ------------------------------------------------------------------------
     def _admit(self, queue: collections.deque, pairs: Sequence[Pair]) -> list[ContextRow]:
         """Takes contexts off ``queue`` while rows and pages allow; one whose next uncached
-        page another context of this batch is writing waits for the next batch (then it is
-        cached)."""
+        page another context of this batch writes waits for the next batch (then cached)."""
         live: list[ContextRow] = []
         ops, pending = self.ops, set()
         rows_left = np.full(ops.num_shards, ops.rows_per_shard)  # a context and its forks
@@ -201,8 +201,7 @@ class Scorer:
     # -- the device steps -----------------------------------------------------------------
     def _step(self, shape: StepShape, tokens: np.ndarray, rows: np.ndarray, qlen: np.ndarray,
               extra: np.ndarray) -> tuple[np.ndarray, ...]:
-        """One jitted, donated step of program ``shape`` (:meth:`CacheOps.run_step`); counts
-        tokens, pages and copy-on-write copies."""
+        """One jitted, donated step of program ``shape``; counts tokens, pages and copies."""
         copies = self.ops.cow_copies
         lp, greedy, ok = self.programs.run(shape, tokens, rows, qlen, extra)
         s = self.stats
@@ -231,9 +230,9 @@ class Scorer:
                        lps: list[list[float]], greedy: list[list[bool]]) -> list[ContextRow]:
         plan = self.programs.plan([r.group.context[:min(x.cached for x in batch)] for r in batch],
                                   max(r.cached + min(r.left, t) for r in batch))
-        shape = self.programs.choose("context", len(batch), t, candidates_width(batch, pairs),
-                                     plan, self.prefill_chunk)
-        batch, later = batch[:shape.rows], batch[shape.rows:]
+        shape, n = self.programs.choose("context", len(batch), t, candidates_width(batch, pairs),
+                                        plan, self.prefill_chunk, [min(r.left, t) for r in batch])
+        batch, later = batch[:n], batch[n:]
         tokens, rows, qlen, cands, firsts = context_step(batch, shape.width, pairs, shape.rows,
                                                          shape.extra)
         lp, gr = self._step(shape, tokens, rows, qlen, cands)
@@ -282,7 +281,7 @@ class Scorer:
         cap = self.programs.width_limit or self.prefill_chunk
         todo = sorted([c for c in children if c.left], key=lambda c: c.left, reverse=True)
         groups = child_groups([c.left for c in todo], cap, self.ops.max_seqs, self.score_tokens,
-                              self.programs.shapes.owned("continuation"))
+                              self.programs.shapes.owned("continuation"), self.programs.packs)
         for start, end in groups:
             batch = todo[start:end]
             t = step_width(batch[0].left, cap)
@@ -297,8 +296,9 @@ class Scorer:
         plan = self.programs.plan([c.context for c in batch],
                                   int(max(lengths[c.row] + min(c.left, t) for c in batch)))
         cap = self.programs.width_limit or self.prefill_chunk
-        shape = self.programs.choose("continuation", len(batch), t, t, plan, cap)
-        batch, later = batch[:shape.rows], batch[shape.rows:]
+        shape, n = self.programs.choose("continuation", len(batch), t, t, plan, cap,
+                                        [min(c.left, t) for c in batch])
+        batch, later = batch[:n], batch[n:]
         tokens, targets, rows, qlen = continuation_step(batch, shape.width, shape.rows)
         lp, gr = self._step(shape, tokens, rows, qlen, targets)
         self.stats.scored_tokens += int(qlen.sum())

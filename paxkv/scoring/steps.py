@@ -31,6 +31,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from paxkv.core.packing import Packing
 from paxkv.core.plan import NO_PLAN, AttentionPlan
 from paxkv.core.protocol import KVCache
 from paxkv.core.step_info import StepInfo
@@ -50,13 +51,27 @@ class AllLogits:
     model: Any
 
     @property
+    def packs(self) -> bool:
+        """Whether the model can return a packing step's logits packed
+        (``forward(..., packed_logits=True)``, :meth:`packed`): then a continuation step's
+        vocab projection and log-softmax run over its real tokens only."""
+        return _takes(self.model, "packed_logits")
+
+    def packed(self, params: Any, tokens: jax.Array, step: StepInfo,
+               cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """The logits ``[1, T, vocab]`` of a step that packs ``T`` tokens
+        (:meth:`paxkv.core.packing.Packing.of`), in packed order."""
+        return self.model.forward(params, tokens, step, cache, all_logits=True,
+                                  packed_logits=True)
+
+    @property
     def width_limit(self) -> int | None:
         """The widest step this forward can score (None: any)."""
-        return None if _takes_all_logits(self.model) else 1
+        return None if _takes(self.model, "all_logits") else 1
 
     def __call__(self, params: Any, tokens: jax.Array, step: StepInfo,
                  cache: KVCache) -> tuple[jax.Array, KVCache]:
-        if _takes_all_logits(self.model):
+        if _takes(self.model, "all_logits"):
             return self.model.forward(params, tokens, step, cache, all_logits=True)
         if tokens.shape[1] != 1:
             raise ValueError(f"{type(self.model).__name__}.forward has no all_logits=True: it "
@@ -65,9 +80,10 @@ class AllLogits:
         return logits[:, None], cache
 
 
-def _takes_all_logits(model: Any) -> bool:
+def _takes(model: Any, keyword: str) -> bool:
+    """Whether ``model.forward`` has the keyword ``keyword``."""
     try:
-        return "all_logits" in inspect.signature(model.forward).parameters
+        return keyword in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
 
@@ -112,7 +128,9 @@ def score_step(forward: Forward, params: Any, cache: KVCache, tokens: jax.Array,
         ``query_lengths`` 0).
       query_lengths: int32 ``[b]``.
       targets: int32 ``[b, t]``: the token expected after each fed token.
-      plan: the step's static attention hints (checked by the cache).
+      plan: the step's static attention hints (checked by the cache); with
+        ``packed_tokens`` and a forward that :attr:`~AllLogits.packs`, the logits come packed
+        and only the real tokens are projected and scored.
 
     Returns:
       ``(cache, logprobs [b, t] float32, greedy [b, t] bool, ok [b] bool)``: padding positions
@@ -120,10 +138,17 @@ def score_step(forward: Forward, params: Any, cache: KVCache, tokens: jax.Array,
       rows' totals; a row whose reserve failed (``ok`` False) is left unchanged.
     """
     cache, step, ok = _reserve_rows(cache, rows, query_lengths, tokens.shape[1], plan)
-    logits, cache = forward(params, tokens, step, cache)  # [b, t, vocab]
-    logprobs, greedy = gather_logprobs(logits, targets[..., None])
+    pack = Packing.of(step.valid, plan.packed_tokens) if getattr(forward, "packs", False) else None
+    if pack is None:
+        logits, cache = forward(params, tokens, step, cache)  # [b, t, vocab]
+        logprobs, greedy = gather_logprobs(logits, targets[..., None])
+        logprobs, greedy = logprobs[..., 0], greedy[..., 0]
+    else:  # [1, T, vocab]: the vocab matmul and log-softmax skip the padding
+        logits, cache = forward.packed(params, tokens, step, cache)
+        logprobs, greedy = gather_logprobs(logits[0], pack.pack(targets)[0, :, None])
+        logprobs, greedy = pack.unpack(logprobs[None, :, 0]), pack.unpack(greedy[None, :, 0])
     valid = step.valid
-    return (cache, jnp.where(valid, logprobs[..., 0], 0.0), greedy[..., 0] | ~valid, ok)
+    return cache, jnp.where(valid, logprobs, 0.0), greedy | ~valid, ok
 
 
 def score_last_step(forward: Forward, params: Any, cache: KVCache, tokens: jax.Array,
