@@ -186,6 +186,8 @@ def test_short_answers_on_a_shared_prompt_decode_in_one_compiled_window():
         engine.scheduler.ops.decode = lambda *a: plans.append(a[4]) or decode(*a)
         ids = [engine.submit(p, max_new_tokens=60, stop_token_ids=[]) for p in prompts]
         out = engine.run()
+        engine.clear_prefix_cache()
+        assert int(engine.cache.free_pages()) == engine.cache.num_pages  # every page back
         return [out[i].token_ids for i in ids], plans
 
     tokens, plans = run(True)

@@ -72,6 +72,8 @@ def test_the_engine_packs_a_ragged_prefill_and_its_tokens_do_not_change(monkeypa
         engine.scheduler.ops.prefill = lambda *a: plans.append(a[5]) or prefill(*a)
         ids = [engine.submit(p, max_new_tokens=6, stop_token_ids=[]) for p in prompts]
         out = engine.run()
+        engine.clear_prefix_cache()
+        assert int(engine.cache.free_pages()) == engine.cache.num_pages  # every page back
         return [out[i].token_ids for i in ids], plans
 
     tokens, plans = run()

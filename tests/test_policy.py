@@ -179,3 +179,12 @@ def test_a_decode_window_is_sized_for_the_rows_end_when_their_answers_are_short(
     assert policy.decode_window_tokens(100, 2148, 0) == 100  # a long generation: its length
     assert policy.decode_window_tokens(100, 200, 0) == 200
     assert policy.decode_window_tokens(100, 90, 0) == 100  # never shorter than the rows now
+
+
+def test_a_packed_prefill_call_takes_the_rows_whose_tokens_fit_the_budget():
+    """Unpacked, the budget counts slots; packed, real tokens (slots at most twice it)."""
+    assert policy.prefill_batch_rows([200] * 16, 384, 4096, 512, packed=False) == 8
+    assert policy.prefill_batch_rows([200] * 16, 384, 4096, 512, packed=True) == 16  # all fit
+    assert policy.prefill_batch_rows([440] * 32, 512, 4096, 512, packed=True) == 8  # 9 fit
+    assert policy.prefill_batch_rows([10] * 64, 384, 4096, 512, packed=True) == 16  # slots
+    assert policy.prefill_batch_rows([400, 10], 512, 256, 512, packed=True) == 1

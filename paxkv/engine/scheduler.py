@@ -137,7 +137,9 @@ class Scheduler:
         group = policy.prefill_order([r for r in group if r.cached < r.target])
         while group:
             t = policy.prefill_width(max(r.target - r.cached for r in group), self.prefill_chunk)
-            b_max = policy.prefill_rows(t, self.prefill_tokens)
+            b_max = policy.prefill_batch_rows([r.target - r.cached for r in group], t,
+                                              self.prefill_tokens, self.prefill_chunk,
+                                              packed=self.ops.num_shards == 1)
             batch, group = group[:b_max], group[b_max:]
             while batch:  # the last chunk of a long prompt runs at a smaller width
                 batch = self._prefill_chunk(batch, t)
