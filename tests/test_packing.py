@@ -16,7 +16,7 @@ from paxkv.core.packing import Packing
 from paxkv.core.plan import AttentionPlan
 from paxkv.core.step_info import StepInfo
 from paxkv.engine import policy
-from paxkv.scoring.batches import child_groups
+from paxkv.scoring.batches import ChildRow, child_groups, continuation_step
 from paxkv.scoring.programs import Programs
 from paxkv.scoring.shapes import StepShape, StepShapes, runs
 from paxkv.scoring.steps import scored
@@ -164,3 +164,19 @@ def test_packed_child_steps_count_their_tokens_against_the_budget():
     assert child_groups([3] * 20, cap=512, max_rows=32, budget=64, packs=True) == [(0, 20)]
     groups = child_groups([3] * 30, cap=512, max_rows=32, budget=64, packs=True)
     assert len(groups) == 2 and all(3 * (e - s) <= 64 for s, e in groups)
+
+
+def test_a_wider_program_feeds_no_more_than_planned_and_an_overflow_raises():
+    """A step planned at width t that runs in a wider program feeds at most t tokens a row
+    (its packed size counted those); a step feeding more than its program packs raises
+    before it runs (the tokens past the packed size would reach the cache as zeros)."""
+    child = ChildRow(request=0, row=0, context=(1, 2), cont=tuple(range(1, 30)))
+    assert continuation_step([child], 32, 1, feed=8)[3][0] == 8
+    assert continuation_step([child], 32, 1)[3][0] == 28
+    scorer = paxkv.Scorer(tiny_lm(scale=1.0), max_seqs=4, max_len=64, page_size=8,
+                          remember_shapes=False)
+    shape = StepShape("continuation", 2, 8, 8, AttentionPlan(window=64, packed_tokens=16))
+    ones = np.ones((2, 8), np.int32)
+    with pytest.raises(RuntimeError, match="packs fewer"):
+        scorer.programs.run(shape, ones, np.array([0, 1]), np.array([8, 9]), ones)
+    assert scorer.ops.free == scorer.cache.total_pages  # nothing ran

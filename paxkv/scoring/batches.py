@@ -80,16 +80,19 @@ def check_pairs(pairs: Sequence[Pair], max_len: int, page_size: int,
                              "raise num_pages")
 
 
-def context_step(batch: Sequence[ContextRow], t: int, pairs: Sequence[Pair], b: int, k: int
+def context_step(batch: Sequence[ContextRow], t: int, pairs: Sequence[Pair], b: int, k: int,
+                 feed: int | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
     """``(tokens [b, t], rows [b], query_lengths [b], candidates [b, k], firsts)`` for the next
-    chunk of each context (``len(batch) <= b``; :func:`candidates_width` for ``k``);
-    ``firsts[i]``: row ``i``'s candidates in order."""
+    chunk of each context, at most ``feed`` tokens (default ``t``: a program wider than the
+    step was planned for feeds no more than planned, so its packed size holds them;
+    ``len(batch) <= b``; :func:`candidates_width` for ``k``); ``firsts[i]``: row ``i``'s
+    candidates in order."""
     firsts = [r.group.firsts(pairs) for r in batch]
     tokens, candidates = np.zeros((b, t), np.int32), np.zeros((b, k), np.int32)
     rows, qlen = np.full(b, batch[0].row, np.int32), np.zeros(b, np.int32)
     for i, r in enumerate(batch):
-        chunk = r.group.context[r.cached:r.cached + t]
+        chunk = r.group.context[r.cached:r.cached + min(t, feed or t)]
         tokens[i, :len(chunk)], rows[i], qlen[i] = chunk, r.row, len(chunk)
         candidates[i, :len(firsts[i])] = firsts[i]
     return tokens, rows, qlen, candidates, firsts
@@ -157,14 +160,15 @@ def step_width(left: int, cap: int) -> int:
     return buckets.pow2(left, 4, cap) if cap > 1 else 1
 
 
-def continuation_step(batch: Sequence[ChildRow], t: int, b: int
+def continuation_step(batch: Sequence[ChildRow], t: int, b: int, feed: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(tokens [b, t], targets [b, t], rows [b], query_lengths [b])`` for the next chunk of
-    each continuation (``len(batch) <= b``)."""
+    each continuation, at most ``feed`` tokens (default ``t``; as :func:`context_step`'s;
+    ``len(batch) <= b``)."""
     tokens, targets = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
     rows, qlen = np.full(b, batch[0].row, np.int32), np.zeros(b, np.int32)
     for i, c in enumerate(batch):
-        n = min(t, c.left)
+        n = min(t, feed or t, c.left)
         tokens[i, :n] = c.cont[c.done:c.done + n]
         targets[i, :n] = c.cont[c.done + 1:c.done + 1 + n]
         rows[i], qlen[i] = c.row, n

@@ -118,6 +118,10 @@ class Programs:
             extra: np.ndarray) -> tuple[np.ndarray, ...]:
         """One step of program ``shape`` (:meth:`paxkv.engine.cache_ops.CacheOps.run_step`)
         -> ``(logprobs, greedy, ok)`` as numpy; ``extra``: candidates or targets."""
+        packed = shape.plan.packed_tokens
+        if packed is not None and int(np.sum(qlen)) > packed:  # never a silently wrong cache
+            raise RuntimeError(f"a scoring step feeds {int(np.sum(qlen))} tokens to {shape}, "
+                               "which packs fewer: please report this")
         fn, forward = self.program(shape.kind)
         self.shapes.record(shape)
         return self.ops.run_step(lambda: fn(

@@ -234,7 +234,7 @@ class Scorer:
                                         plan, self.prefill_chunk, [min(r.left, t) for r in batch])
         batch, later = batch[:n], batch[n:]
         tokens, rows, qlen, cands, firsts = context_step(batch, shape.width, pairs, shape.rows,
-                                                         shape.extra)
+                                                         shape.extra, feed=t)
         lp, gr = self._step(shape, tokens, rows, qlen, cands)
         self.stats.prefill_tokens += int(qlen.sum())
         more = later
@@ -299,7 +299,7 @@ class Scorer:
         shape, n = self.programs.choose("continuation", len(batch), t, t, plan, cap,
                                         [min(c.left, t) for c in batch])
         batch, later = batch[:n], batch[n:]
-        tokens, targets, rows, qlen = continuation_step(batch, shape.width, shape.rows)
+        tokens, targets, rows, qlen = continuation_step(batch, shape.width, shape.rows, t)
         lp, gr = self._step(shape, tokens, rows, qlen, targets)
         self.stats.scored_tokens += int(qlen.sum())
         for i, c in enumerate(batch):
