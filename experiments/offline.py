@@ -73,14 +73,14 @@ def _paxkv_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 def _step_variants() -> dict[str, int]:
     """Compiled variants of each jitted engine step so far (shapes x static plans)."""
-    from paxkv.core import steps
+    from paxkv.core import steps, stored
     from paxkv.engine import cache_ops
     from paxkv.prefix import holds
 
     fns = dict(prefill_step=steps.prefill_step, decode_step=steps.decode_step,
                release_rows=cache_ops.release_rows, fork_rows=cache_ops.fork_rows,
                attach_rows=holds.attach_rows, retain_pages=holds.retain_pages)
-    return {name: fn._cache_size() for name, fn in fns.items()}
+    return {name: stored.compiled(fn) for name, fn in fns.items()}
 
 
 def _hf_worker(job: dict[str, Any]) -> dict[str, Any]:

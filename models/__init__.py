@@ -73,6 +73,13 @@ class LanguageModel:
         self.name = name
         self.compute_dtype = jnp.dtype(compute_dtype)
 
+    def program_key(self) -> str:
+        """What ``forward``'s trace reads besides its arguments (the class, the config, the
+        compute dtype): steps of equal keys share a stored program
+        (:func:`paxkv.core.stored.forward_key`)."""
+        return (f"{type(self).__module__}.{type(self).__qualname__}|{self.config!r}|"
+                f"{self.compute_dtype.name}")
+
     @property
     def num_layers(self) -> int:
         return self.config.num_layers

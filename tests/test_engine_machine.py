@@ -35,7 +35,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 import paxkv
-from paxkv.core import steps
+from paxkv.core import steps, stored
 from paxkv.engine.requests import Request
 from tiny import tiny_lm
 
@@ -397,7 +397,7 @@ def test_soak_ten_thousand_requests():
         peak_live = max(peak_live, len(engine.table.requests))
         if submitted < 10_000:  # the steady state; the draining tail compiles its own shapes
             rss.setdefault(done // 2000, _resident_kib())
-    compiled = steps.prefill_step._cache_size() + steps.decode_step._cache_size()
+    compiled = stored.compiled(steps.prefill_step) + stored.compiled(steps.decode_step)
     print(f"soak: peak live requests {peak_live}, compiled steps {compiled}, "
           f"resident {rss[0] // 1024} -> {rss[max(rss)] // 1024} MiB")
     assert not engine.table.requests and peak_live <= 16 * 3 + 32 * 3

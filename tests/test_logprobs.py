@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import paxkv
-from paxkv.core import steps
+from paxkv.core import steps, stored
 from tiny import full_logits, tiny_lm
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 1, 42], [8, 8, 9], list(range(30, 70)), [200] * 5]
@@ -67,13 +67,13 @@ def test_no_logprobs_asked_computes_none():
     """Without ``logprobs`` the results carry None and the steps compile without the
     log-softmax (the static ``logprobs`` stays None)."""
     lm = tiny_lm(scale=1.0)
-    before = steps.decode_step._cache_size() + steps.prefill_step._cache_size()
+    before = stored.compiled(steps.decode_step) + stored.compiled(steps.prefill_step)
     plain = paxkv.generate(lm, PROMPTS[:2], max_new_tokens=5, page_size=4, stop_token_ids=[])
     assert all(r.logprobs is None and r.top_logprobs is None for r in plain)
     asked = paxkv.generate(lm, PROMPTS[:2], max_new_tokens=5, page_size=4, stop_token_ids=[],
                            logprobs=1)
     assert [r.token_ids for r in asked] == [r.token_ids for r in plain]
-    assert steps.decode_step._cache_size() + steps.prefill_step._cache_size() > before
+    assert stored.compiled(steps.decode_step) + stored.compiled(steps.prefill_step) > before
 
 
 @pytest.mark.parametrize("kwargs, match", [

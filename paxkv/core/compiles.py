@@ -17,6 +17,10 @@ turns it off (False). A user who configured JAX's cache (``JAX_COMPILATION_CACHE
 JAX keys each entry by the program, the flags and the versions, so a stale entry is never
 loaded. The cache is trusted code: keep its folder private to you (JAX's own warning).
 
+JAX finds a program in that cache only after tracing and lowering it again; the engine's and
+the scorer's steps are also stored there as exported programs (:mod:`paxkv.core.stored`), so a
+later process skips both.
+
 **Counting.** :func:`metered` attributes JAX's monitoring events (tracing, lowering, XLA's
 backend compile, a persistent-cache load) to the :class:`CompileStats` of whatever engine or
 scorer is running, so ``stats()`` says what a call paid for compiles.

@@ -170,7 +170,11 @@ class Model(Protocol):
     for a global layer, ``w`` for a sliding-window layer whose queries see only their last
     ``w`` keys (their own included). The model declares its windows and the cache applies them
     (the caches paxkv builds for a model take ``layer_windows=model.layer_windows``); the
-    model's ``attend`` calls stay the same.
+    model's ``attend`` calls stay the same. ``program_key() -> str``, defined by the model's
+    class: a text naming everything ``forward``'s trace reads besides its arguments (paxkv's
+    models: class, config, compute dtype); with it, the steps are stored beside the
+    persistent compilation cache and a new process runs them without tracing ``forward``
+    (:mod:`paxkv.core.stored`); a wrong key runs a stale program, so leave it out unless sure.
     """
 
     num_layers: int

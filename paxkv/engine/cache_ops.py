@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv.core import buckets, steps
+from paxkv.core import buckets, steps, stored
 from paxkv.core.plan import AttentionPlan
 from paxkv.core.protocol import KVCache, shard_free_pages, shard_layout
 from paxkv.core.sampling import RowSampling
@@ -236,8 +236,8 @@ class CacheOps:
                 logprobs: int | None = None) -> tuple[Any, np.ndarray]:
         """:func:`paxkv.core.steps.prefill_step` -> ``(next_tokens [b], ok [b])`` as numpy (with
         ``logprobs``, ``next_tokens`` is a :class:`paxkv.core.sampling.Sampled` of numpy arrays)."""
-        return self.run_step(lambda: steps.prefill_step(
-            model.forward, model.params, self.cache, host(tokens, np.int32), host(rows, np.int32),
+        return self.run_step(lambda: stored.call(
+            steps.prefill_step, model.forward, model.params, self.cache, host(tokens, np.int32), host(rows, np.int32),
             host(query_lengths, np.int32), sampling, plan=plan, logprobs=logprobs))
 
     def decode(self, model: Any, last_tokens: np.ndarray, live: np.ndarray,
@@ -245,6 +245,6 @@ class CacheOps:
                logprobs: int | None = None) -> tuple[Any, np.ndarray]:
         """:func:`paxkv.core.steps.decode_step` over every row -> ``(next_tokens, ok)``
         ``[max_seqs]`` as numpy (``logprobs``: as :meth:`prefill`)."""
-        return self.run_step(lambda: steps.decode_step(
-            model.forward, model.params, self.cache, host(last_tokens, np.int32),
+        return self.run_step(lambda: stored.call(
+            steps.decode_step, model.forward, model.params, self.cache, host(last_tokens, np.int32),
             host(live, bool), sampling, plan=plan, logprobs=logprobs))

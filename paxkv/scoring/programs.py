@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv.core import plan as attention_plan
+from paxkv.core import stored
 from paxkv.core.compiles import CompileStats, counting
 from paxkv.core.plan import AttentionPlan
 from paxkv.engine.cache_ops import CacheOps, host
@@ -124,8 +125,8 @@ class Programs:
                                "which packs fewer: please report this")
         fn, forward = self.program(shape.kind)
         self.shapes.record(shape)
-        return self.ops.run_step(lambda: fn(
-            forward, self.lm.params, self.ops.cache, host(tokens, np.int32),
+        return self.ops.run_step(lambda: stored.call(
+            fn, forward, self.lm.params, self.ops.cache, host(tokens, np.int32),
             host(rows, np.int32), host(qlen, np.int32), host(extra, np.int32),
             plan=shape.plan))
 
@@ -137,8 +138,9 @@ class Programs:
         def lower(s: StepShape) -> Any:
             fn, forward = self.program(s.kind)
             i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
-            return fn.lower(forward, self.lm.params, self.ops.cache, i32(s.rows, s.width),
-                            i32(s.rows), i32(s.rows), i32(s.rows, s.extra), plan=s.plan)
+            return stored.lower(fn, forward, self.lm.params, self.ops.cache,
+                                i32(s.rows, s.width), i32(s.rows), i32(s.rows),
+                                i32(s.rows, s.extra), plan=s.plan)
 
         paid = compile_all(todo, lower, threads)
         for s in todo:

@@ -35,6 +35,7 @@ from paxkv.core.packing import Packing
 from paxkv.core.plan import NO_PLAN, AttentionPlan
 from paxkv.core.protocol import KVCache
 from paxkv.core.step_info import StepInfo
+from paxkv.core.stored import forward_key
 
 Forward = Callable[[Any, jax.Array, StepInfo, KVCache], tuple[jax.Array, KVCache]]
 
@@ -63,6 +64,10 @@ class AllLogits:
         (:meth:`paxkv.core.packing.Packing.of`), in packed order."""
         return self.model.forward(params, tokens, step, cache, all_logits=True,
                                   packed_logits=True)
+
+    def program_key(self) -> str | None:
+        """The model's forward key (:func:`paxkv.core.stored.forward_key`), or None."""
+        return forward_key(self.model.forward)
 
     @property
     def width_limit(self) -> int | None:
