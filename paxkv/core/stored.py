@@ -91,7 +91,7 @@ def forward_key(forward: Any) -> str | None:
     text = owner.program_key()
     if text is None:
         return None
-    return f"{cls.__module__}.{cls.__qualname__}.{name}|{text}|{_module_digest(owner)}"
+    return f"{cls.__module__}.{cls.__qualname__}.{name}|{text}|{_class_digest(cls)}"
 
 
 @functools.cache
@@ -123,18 +123,19 @@ def _file_digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-def _module_digest(obj: Any) -> str:
-    """The digest of the file defining ``obj``'s class (a researcher's subclass included)."""
+@functools.cache
+def _class_digest(cls: type) -> str:
+    """The digest of the file defining ``cls`` (a researcher's subclass included)."""
     try:
-        path = inspect.getsourcefile(type(obj))
+        path = inspect.getsourcefile(cls)
     except TypeError:
         path = None
     return _file_digest(path) if path else "?"
 
 
-def _aval(leaf: Any) -> tuple[tuple[int, ...], str, bool]:
-    return (tuple(np.shape(leaf)), np.dtype(leaf.dtype).name, bool(getattr(leaf, "weak_type",
-                                                                           False)))
+def _aval(leaf: Any) -> tuple[tuple[int, ...], Any, bool]:
+    """Shape, dtype, weak type: what a program is specialised to (cheap: read every step)."""
+    return (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False))
 
 
 def _device(leaves: list[Any]) -> Any | None:
@@ -164,7 +165,9 @@ def _trace_config() -> str:
 def _disk_key(step: Any, fkey: str, tree: Any, static: dict[str, Any],
               avals: tuple[Any, ...]) -> str | None:
     text = repr((f"{step.__module__}.{step.__qualname__}", fkey, str(tree),
-                 sorted((k, repr(v)) for k, v in static.items()), avals, _trace_config(),
+                 sorted((k, repr(v)) for k, v in static.items()),
+                 [(tuple(shape), np.dtype(dtype).name, bool(weak)) for shape, dtype, weak in avals],
+                 _trace_config(),
                  jax.default_backend(), _source_digest()))
     if " at 0x" in text:  # an address: a new key in every process, never found again
         return None
@@ -252,7 +255,10 @@ def _lookup(step: Any, forward: Any, args: tuple[Any, ...], static: dict[str, An
     device = _device(leaves) if fkey is not None else None
     if device is None:
         return None, leaves
-    avals = tuple(_aval(x) for x in leaves)
+    try:
+        avals = tuple(_aval(x) for x in leaves)
+    except AttributeError:  # a Python scalar among the arguments: run it as jit would
+        return None, leaves
     from jax._src import config as jax_config
 
     key = (step, fkey, tree, tuple(sorted(static.items())), avals, where, device,
