@@ -1,33 +1,29 @@
 """Step programs stored on disk as exported StableHLO: a new process skips tracing and lowering.
 
-JAX's persistent compilation cache (:mod:`paxkv.core.compiles`) keys a compiled program by its
-lowered module, so a new process must still trace and lower every step before the cache can
-hand it back. For the default model on these cores that is most of what a populated first call
-pays: Flax's scan and the attention plan's branches make a step's trace 0.1-0.4 s and its
-lowering ~0.1 s, against ~0.05 s to load the executable (issue 35; LOG 2026-12-05).
+JAX's persistent compilation cache (:mod:`paxkv.core.compiles`) keys a program by its lowered
+module, so a new process must still trace and lower every step before the cache hands it
+back: for the default model on these cores a step traces in 0.1-0.4 s and lowers in ~0.1 s,
+against ~0.05 s to load its executable (issue 35; LOG 2026-12-05).
 
-:func:`call` runs a jitted step ``step(forward, *args, **static)`` through a program exported
-with :func:`jax.export.export` the first time any process met its key, and serialized beside
-the persistent cache (``<cache folder>/paxkv-steps``). A later process deserializes it and
-lowers only the thin wrapper ``jax.jit(exported.call)`` (~0.015 s), whose compile the
-persistent cache then loads. The program runs its leaves flat (``args`` flattened, the outputs
-rebuilt from the stored tree), with the ``donate``-th argument's buffers donated as the step
-donates them.
+:func:`call` runs a jitted ``step(forward, *args, **static)`` through a program exported
+(:func:`jax.export.export`) the first time any process met its key and written beside the
+persistent cache (``<cache folder>/paxkv-steps``). A later process deserializes it and lowers
+only the thin wrapper ``jax.jit(exported.call)`` (~0.015 s), whose executable the persistent
+cache loads. The program takes the arguments' leaves flat and the outputs are rebuilt from the
+stored tree; the ``donate``-th argument's buffers are donated as the step donates them.
 
-**When.** Only with the persistent cache on (:func:`folder`), on one device (sharded caches
-and meshes call the step directly), and for a ``forward`` that names itself
-(:func:`forward_key`): a model whose trace may read anything besides its arguments is never
-stored. A step that cannot be exported (a custom call without a stability guarantee, an
-effect) is called directly, once tried.
+**When.** Only with the persistent cache on (:func:`folder`), on one device (a mesh keeps its
+own placement: called directly), and for a ``forward`` that names itself
+(:func:`forward_key`). A step that cannot be exported (a custom call without a stability
+guarantee, an effect) is called directly, once tried.
 
-**The key** (a SHA-256 file name) holds everything a trace reads: the step's name, the
-forward's key, the argument tree (the cache's static layout included) and every leaf's shape
-and dtype, the static arguments' ``repr``, JAX's tracing configuration (matmul precision, x64,
-promotion rules), the jax / jaxlib / flax versions, the platform, and a digest of the source of
-``paxkv``, its models and ``pallas_kernels`` (and of the forward's own module): editing any of
-them stores new programs instead of running stale ones. A tree whose text holds an object's
-address (it would differ in every process) is never stored. The folder is trusted code, as
-JAX's own cache is: keep it private to you.
+**The key** (a SHA-256 file name) holds what a trace reads: the step, the forward's key, the
+argument tree (the cache's static layout included), each leaf's shape and dtype, the static
+arguments' ``repr``, JAX's tracing configuration (matmul precision, x64, promotion), the jax /
+jaxlib / flax versions, the platform, and a digest of the source of ``paxkv``, its models,
+``pallas_kernels`` and the forward's class: an edit stores new programs, never runs stale
+ones. A key whose text holds an address (new in every process) is never stored. The folder is
+trusted code, as JAX's own cache is: keep it private to you.
 """
 
 from __future__ import annotations
@@ -60,7 +56,6 @@ class Program:
 
     run: Callable[..., Any]
     out_tree: Any
-    exported: Any  # jax.export.Exported
 
 
 _programs: dict[Any, Program | None] = {}  # in-process: None = call the step directly
@@ -76,10 +71,11 @@ def folder() -> str | None:
 def forward_key(forward: Any) -> str | None:
     """A text naming everything ``forward``'s trace reads besides its arguments, or None.
 
-    A bound method of an object with ``program_key() -> str`` (paxkv's
-    :class:`paxkv.models.LanguageModel`: its class, config and compute dtype) gives
-    ``"<method>|<key>"``; a callable object with ``program_key()`` gives that key. Anything
-    else (a researcher's model without one, a lambda) gives None: never stored."""
+    A bound method of an object whose class defines ``program_key() -> str`` (paxkv's
+    :class:`paxkv.models.LanguageModel`: its class, config and compute dtype), or a callable
+    object whose class does (:class:`paxkv.scoring.steps.AllLogits`), gives
+    ``"<class>.<method>|<key>|<digest of the class's source file>"``. Anything else (a
+    researcher's model without one, a lambda) gives None: never stored."""
     owner = getattr(forward, "__self__", None)
     name = getattr(forward, "__name__", "?") if owner is not None else "__call__"
     owner = forward if owner is None else owner
@@ -244,7 +240,7 @@ def _program(step: Any, forward: Any, fkey: str, tree: Any, leaves: list[Any],
     on = jax.sharding.SingleDeviceSharding(device)
     run = jax.jit(exported.call, in_shardings=on, out_shardings=on,
                   donate_argnums=_donated(tree, leaves, donate))
-    return Program(run, out_tree, exported)
+    return Program(run, out_tree)
 
 
 def _lookup(step: Any, forward: Any, args: tuple[Any, ...], static: dict[str, Any],
