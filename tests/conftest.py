@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from paxkv import models
+from paxkv.core import stored
 import oracle
 
 
@@ -35,6 +36,9 @@ def _share_compiles(folder: str) -> None:
     compiles. The key covers the HLO, the flags and the jax version, so a stale entry is never
     used."""
     folder = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", folder)
+    # Exporting each step costs its first compile ~0.06-0.25 s more, and the suite compiles
+    # thousands: only tests/test_stored.py stores steps (paxkv.core.stored).
+    os.environ.setdefault(stored.ENV, "off")
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 

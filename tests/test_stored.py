@@ -27,9 +27,11 @@ PROMPTS = [list(range(1, 21)), list(range(30, 63)), list(range(5, 14))]
 
 
 @pytest.fixture
-def folder(tmp_path):
+def folder(tmp_path, monkeypatch):
     """JAX's persistent cache (and so the stored steps) in a fresh folder for this test, and
-    no program of an earlier test in memory."""
+    no program of an earlier test in memory (the rest of the suite runs with
+    ``PAXKV_STORE_STEPS=off``: tests/conftest.py)."""
+    monkeypatch.setenv(stored.ENV, "on")
     before = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
     stored._programs.clear()
@@ -65,7 +67,7 @@ def traced(monkeypatch):
 def test_a_stored_step_runs_as_the_step_and_is_loaded_without_tracing(folder, traced):
     lm = tiny_lm(scale=1.0)
     jax.config.update("jax_compilation_cache_dir", None)
-    want = _tokens(lm)  # plain jit: nothing stored
+    want = _tokens(lm, compile_cache=False)  # plain jit: nothing stored
     jax.config.update("jax_compilation_cache_dir", str(folder.parent))
     assert not folder.exists()
     assert _tokens(lm) == want
@@ -78,7 +80,42 @@ def test_a_stored_step_runs_as_the_step_and_is_loaded_without_tracing(folder, tr
     assert traced[0] == 0 and sorted(folder.iterdir()) == files
 
 
-def test_the_stored_step_donates_the_cache(folder, lm=None):
+def test_the_environment_turns_storing_off(folder, monkeypatch):
+    assert stored.folder() == str(folder)
+    for off in ("off", "0", "False"):
+        monkeypatch.setenv(stored.ENV, off)
+        assert stored.folder() is None
+    _tokens(tiny_lm())
+    assert not folder.exists()
+
+
+def test_the_default_model_stored_gives_plain_jit_tokens_and_scores(folder, traced, lm):
+    """The default model: greedy tokens and scores through stored steps equal plain jit's,
+    and a process that finds them on disk traces the model in no step."""
+    prompts = [lm.encode("The quick brown fox"), lm.encode("Paged attention keeps")]
+    pairs = [(tuple(prompts[0]), tuple(prompts[1][:3])), (tuple(prompts[1]), (28, 29))]
+
+    def both(**kw):
+        tokens = [r.token_ids for r in paxkv.generate(lm, prompts, max_new_tokens=8,
+                                                       stop_token_ids=[], **kw)]
+        return tokens, [r.logprob for r in paxkv.score(lm, pairs, **kw)]
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    want_tokens, want_scores = both(compile_cache=False)
+    assert traced[0] > 0 and not folder.exists()
+    jax.config.update("jax_compilation_cache_dir", str(folder.parent))
+    for clear in (False, True):
+        if clear:  # as a new process
+            stored._programs.clear()
+            jax.clear_caches()
+            traced[0] = 0
+        tokens, scores = both()
+        assert tokens == want_tokens
+        np.testing.assert_allclose(scores, want_scores, rtol=0, atol=2e-5)
+    assert traced[0] == 0 and any(folder.iterdir())
+
+
+def test_the_stored_step_donates_the_cache(folder):
     lm = tiny_lm()
     engine = paxkv.Engine(lm, max_seqs=2, max_len=32, page_size=4)
     engine.submit(list(range(1, 9)), max_new_tokens=4, stop_token_ids=[])
@@ -95,7 +132,7 @@ def test_scores_through_stored_steps_equal_plain_jit(folder, traced):
     pairs = [(tuple(range(1, 30)), (40, 41, 42)), (tuple(range(1, 30)), (7,)),
              (tuple(range(50, 61)), (3, 4, 5, 6, 7))]
     jax.config.update("jax_compilation_cache_dir", None)
-    want = [r.logprob for r in paxkv.score(lm, pairs)]
+    want = [r.logprob for r in paxkv.score(lm, pairs, compile_cache=False)]
     jax.config.update("jax_compilation_cache_dir", str(folder.parent))
     got = [r.logprob for r in paxkv.score(lm, pairs)]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
@@ -216,6 +253,7 @@ def test_a_second_process_traces_no_step(tmp_path):
     loads each program stored by the first) and gives the same tokens and scores."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["PAXKV_COMPILE_CACHE"] = str(tmp_path / "cache")
+    env[stored.ENV] = "on"
 
     def child():
         done = subprocess.run([sys.executable, "-c", _CHILD.format(tests=str(TESTS))],

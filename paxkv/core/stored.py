@@ -12,7 +12,8 @@ only the thin wrapper ``jax.jit(exported.call)`` (~0.015 s), whose executable th
 cache loads. The program takes the arguments' leaves flat and the outputs are rebuilt from the
 stored tree; the ``donate``-th argument's buffers are donated as the step donates them.
 
-**When.** Only with the persistent cache on (:func:`folder`), on one device (a mesh keeps its
+**When.** Only with the persistent cache on and ``$PAXKV_STORE_STEPS`` not "off"
+(:func:`folder`), on one device (a mesh keeps its
 own placement: called directly), and for a ``forward`` that names itself
 (:func:`forward_key`). A step that cannot be exported (a custom call without a stability
 guarantee, an effect) is called directly, once tried.
@@ -44,6 +45,7 @@ import jax
 import numpy as np
 
 SUBFOLDER = "paxkv-steps"
+ENV = "PAXKV_STORE_STEPS"
 FORMAT = 1  # the stored record's layout: bump to ignore every file written before
 PACKAGES = ("paxkv", "paxkv.models", "pallas_kernels")
 
@@ -63,9 +65,13 @@ _lock = threading.Lock()
 
 
 def folder() -> str | None:
-    """``<persistent cache folder>/paxkv-steps``, or None while JAX's persistent cache is off."""
+    """``<persistent cache folder>/paxkv-steps``, or None: JAX's persistent cache is off, or
+    ``$PAXKV_STORE_STEPS`` is "off" (exporting costs a new program ~0.06-0.25 s more to
+    compile: the test suite, which compiles thousands, turns it off)."""
     where = jax.config.jax_compilation_cache_dir
-    return os.path.join(where, SUBFOLDER) if where else None
+    if not where or os.environ.get(ENV, "on").strip().lower() in ("off", "0", "false", "no"):
+        return None
+    return os.path.join(where, SUBFOLDER)
 
 
 def forward_key(forward: Any) -> str | None:
@@ -137,14 +143,10 @@ def _aval(leaf: Any) -> tuple[tuple[int, ...], Any, bool]:
 def _device(leaves: list[Any]) -> Any | None:
     """The one device every placed leaf is on, or None (several devices or processes, or a
     leaf placed on a mesh: a sharded step keeps its own placement)."""
-    devices = set()
-    for leaf in leaves:
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is None:
-            continue
-        if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
-            return None
-        devices |= sharding.device_set
+    shardings = [s for s in (getattr(x, "sharding", None) for x in leaves) if s is not None]
+    if not all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in shardings):
+        return None
+    devices = {d for s in shardings for d in s.device_set}
     if len(devices) > 1 or jax.process_count() != 1:
         return None
     return devices.pop() if devices else jax.devices()[0]
@@ -163,8 +165,7 @@ def _disk_key(step: Any, fkey: str, tree: Any, static: dict[str, Any],
     text = repr((f"{step.__module__}.{step.__qualname__}", fkey, str(tree),
                  sorted((k, repr(v)) for k, v in static.items()),
                  [(tuple(shape), np.dtype(dtype).name, bool(weak)) for shape, dtype, weak in avals],
-                 _trace_config(),
-                 jax.default_backend(), _source_digest()))
+                 _trace_config(), jax.default_backend(), _source_digest()))
     if " at 0x" in text:  # an address: a new key in every process, never found again
         return None
     return hashlib.sha256(text.encode()).hexdigest()
