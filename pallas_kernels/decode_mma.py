@@ -1,0 +1,330 @@
+"""Paged decode attention on tensor cores: both contractions on WGMMA (Hopper), bf16/f16 pages.
+
+The CUDA-core kernel (:mod:`pallas_kernels.paged_decode`) computes ``q . k`` and ``p . v`` as
+broadcast-multiply + reductions, one query head at a time. Here one program per (sequence
+``b``, kv head ``h``, context split ``s``) stacks its GQA group's query heads into the 64 rows
+one WGMMA needs (zero rows pad a group of 1-8; decode reads ~64 FLOP a byte, far below an
+H200's ridge of ~200, so the padding costs tensor-core time nobody waits for) and runs::
+
+    ring of S stages, T = pages_per_block * page_size keys a stage (T % 64 == 0, T <= 256)
+    prologue: copy Q [64, D]; start blocks 0 .. S-2
+    block j:  start block j + S - 1 into the stage block j - 1 left (its WGMMAs are done)
+              wait stage j % S
+              s = Q @ K^T              WGMMA  [64, D] x [D, T] (K read transposed in SMEM)
+              online softmax along rows, base 2 with the scale folded in
+              P -> SMEM (bf16/f16), dead rows of V -> 0
+              o = o * alpha + P @ V    WGMMA  [64, T] x [T, D]
+    end:      unnormalised partials (o, max, sum) of the split, merged by the wrapper
+              (:func:`pallas_kernels.paged_decode.combine_splits`)
+
+**Masking.** Keys at ``lengths[b]`` and past it are dead: their scores are ``-inf`` (chosen with
+``where``, so NaN in a free slot's K never reaches the softmax) and their V rows are set to 0
+in SMEM before ``P @ V`` (``0 * NaN`` is NaN inside a tensor core too). Stages hold stale data
+where a block has fewer live pages; the same masks cover it.
+
+**Interpret mode.** jax 0.10.2's interpreter runs ``plgpu.wgmma`` only on plain SMEM operands,
+not on ``plgpu.transpose_ref`` (``_interpret.py``). On the GPU ``Q @ K^T`` reads the stage
+through ``transpose_ref``; interpreted, :func:`_keys_for_scores` first writes the stage's
+transpose into a ``[D, T]`` scratch and runs the same ``wgmma`` on it. Both branches lower
+for CUDA (``tests/test_decode_mma.py``), and only the GPU runs the first.
+
+**Stream only** (``stream_only=True``): the same copies, stages and barriers, a consumer that
+waits for each stage and computes nothing. Its bandwidth on a GPU is the ceiling of one copy
+per page at a page size, what ``experiments.kernels`` measures the kernels against.
+
+float32 pages (a float32 ``P @ V`` does not lower: "Only f16 WGMMA supports transposes"),
+8-bit pages and sliding windows stay on the CUDA-core kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _interpret
+from pallas_kernels._stream import KVStream, fetch_block, read_layer
+from pallas_kernels._tiles import (SMEM_BUDGET_BYTES, TMA_SMEM_ALIGN, KVTiles, check_query,
+                                   pool_operands, validate_kv)
+from pallas_kernels.paged_decode import auto_num_splits, combine_splits
+from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
+
+ROWS = 64  # query rows of one WGMMA: the GQA group, zero-padded
+MMA_DTYPES = (jnp.bfloat16, jnp.float16)
+DEFAULT_STAGES = 3
+LOG2E = math.log2(math.e)
+SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane,
+             "warpgroup": plgpu.LoweringSemantics.Warpgroup}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    tiles: KVTiles
+    group: int
+    group_pad: int  # output rows written back: the group rounded up to 8
+    stages: int
+    num_splits: int
+    blocks_per_split: int
+    sm_scale: float
+    soft_cap: float | None
+    stream_only: bool
+
+
+def _swizzled(dtype, row_elems: int) -> tuple:
+    """Tiling + swizzle of an SMEM operand whose rows hold ``row_elems`` elements."""
+    swizzle = min(TMA_SMEM_ALIGN, row_elems * jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+# ---------------------------------------------------------------- layer 1: kernel body
+
+
+def _keys_for_scores(k_stage, kt_smem, interpret: bool):
+    """The ``[D, T]`` right operand of ``Q @ K^T`` for stage ``k_stage`` ``[T, D]``: a
+    transposed view on the GPU; interpreted, a transposed copy in ``kt_smem`` (module
+    docstring)."""
+    if not interpret:
+        return plgpu.transpose_ref(k_stage, (1, 0))
+    kt_smem[...] = k_stage[...].T
+    plgpu.commit_smem()
+    return kt_smem
+
+
+def _mma(a, b, shape):
+    """``a @ b`` on WGMMA into a fresh float32 accumulator of ``shape`` (registers)."""
+    def run(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, acc_out, stats_out, *, q_smem, k_smem,
+            v_smem, kt_smem, p_smem, o_smem, stats_smem, q_bar, kv_bars, spec: _Spec,
+            lay: _interpret.Layouts):
+    # q_ref:     [batch, kv_heads, 64, head_dim] GMEM (the group, zero rows below it)
+    # kv_refs:   (k, v) [layers, num_pages, kv_heads, page_size, head_dim] GMEM
+    # ints_ref:  int32 [1] (layer); bt_ref int32 [batch, max_pages]; len_ref int32 [batch]
+    # acc_out:   f32 [batch, kv_heads, splits, group_pad, head_dim]  unnormalised partials
+    # stats_out: f32 [batch, kv_heads, splits, 2, 64]                (max, sum) per row, base e
+    # k_smem, v_smem: [stages, T, head_dim]; kt_smem [head_dim, T] (interpret only) or None
+    # p_smem: [64, T] (probabilities, the pages' dtype); o_smem f32 [64, head_dim]
+    tiles = spec.tiles
+    t, d = tiles.block_tokens, tiles.head_dim
+    b, h, split = lax.axis_index("b"), lax.axis_index("kvh"), lax.axis_index("split")
+    length = jnp.clip(len_ref[b], 0, tiles.max_pages * tiles.page_size)
+    live_pages = pl.cdiv(length, tiles.page_size)
+    start = split * spec.blocks_per_split
+    n_blocks = jnp.clip(pl.cdiv(length, t) - start, 0, spec.blocks_per_split)
+    layer = read_layer(tiles, ints_ref)
+    st = KVStream(kv_refs[0], kv_refs[1], None, bt_ref, k_smem, v_smem, None, kv_bars)
+
+    @pl.when(n_blocks > 0)
+    def _prologue():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+        for i in range(spec.stages - 1):
+            pl.when(i < n_blocks)(functools.partial(
+                fetch_block, tiles, st, layer, b, h, start + i, live_pages, i))
+        plgpu.barrier_wait(q_bar.at[0])
+
+    scale = spec.sm_scale * (1.0 if spec.soft_cap else LOG2E)
+
+    def block(j, carry):
+        slot = lax.rem(j, spec.stages)
+        ahead = j + spec.stages - 1
+
+        @pl.when(ahead < n_blocks)
+        def _refill():
+            plgpu.commit_smem()  # every read of the stage block j - 1 used is done
+            fetch_block(tiles, st, layer, b, h, start + ahead, live_pages,
+                        lax.rem(ahead, spec.stages))
+
+        plgpu.barrier_wait(kv_bars.at[slot])
+        if spec.stream_only:
+            return carry
+        o, m, l = carry
+        k_stage, v_stage = k_smem.at[slot], v_smem.at[slot]
+        s = _mma(q_smem, _keys_for_scores(k_stage, kt_smem, lay.interpret), (ROWS, t)) * scale
+        if spec.soft_cap:
+            s = (spec.soft_cap * LOG2E) * jnp.tanh(s / spec.soft_cap)
+        kpos0 = (start + j) * t
+        kpos = lay.iota((ROWS, t), 1, lay.tile) + kpos0
+        s = jnp.where(kpos < length, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: every block holds a live key
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (ROWS, t), [0]))
+        l = l * alpha + jnp.sum(p, axis=1)
+        p_smem[...] = p.astype(p_smem.dtype)
+
+        @pl.when(kpos0 + t > length)  # the last block: dead V rows -> 0 (not 0 * NaN)
+        def _zero_dead():
+            rows = lay.iota((t, d), 0, lay.tile) + kpos0
+            v_stage[...] = jnp.where(rows < length, v_stage[...], jnp.zeros((), v_stage.dtype))
+
+        plgpu.commit_smem()
+        pv = _mma(p_smem, v_stage, (ROWS, d))
+        return o * lax.broadcast_in_dim(alpha, (ROWS, d), [0]) + pv, m_new, l
+
+    carry = () if spec.stream_only else (
+        lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.tile),
+        lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
+        lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
+    carry = lax.fori_loop(0, n_blocks, block, carry)
+    if spec.stream_only:
+        o_smem[...] = lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.tile)
+        stats_smem[0] = lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row)
+        stats_smem[1] = lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row)
+    else:
+        o, m, l = carry
+        o_smem[...] = o
+        stats_smem[0] = m * (1.0 / LOG2E)  # back to base e for combine_splits
+        stats_smem[1] = l
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, spec.group_pad)], acc_out.at[b, h, split])
+    plgpu.copy_smem_to_gmem(stats_smem, stats_out.at[b, h, split])
+    plgpu.wait_smem_to_gmem(0)
+
+
+# ---------------------------------------------------------------- layer 2: call builder
+
+
+def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str):
+    tiles = spec.tiles
+    t, d, dtype = tiles.block_tokens, tiles.head_dim, tiles.dtype
+    interpret = _interpret.interpret_params(interpret)
+    lay = _interpret.Layouts(interpret is not None)
+    out_type = (
+        jax.ShapeDtypeStruct((batch, num_kv_heads, spec.num_splits, spec.group_pad, d),
+                             jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, spec.num_splits, 2, ROWS), jnp.float32))
+    stage = plgpu.SMEM((spec.stages, t, d), dtype, transforms=_swizzled(dtype, d))
+    scratch = dict(
+        q_smem=plgpu.SMEM((ROWS, d), dtype, transforms=_swizzled(dtype, d)),
+        k_smem=stage, v_smem=stage,
+        kt_smem=plgpu.SMEM((d, t), dtype, transforms=_swizzled(dtype, t)) if lay.interpret
+        else None,
+        p_smem=plgpu.SMEM((ROWS, t), dtype, transforms=_swizzled(dtype, t)),
+        o_smem=plgpu.SMEM((ROWS, d), jnp.float32),
+        stats_smem=plgpu.SMEM((2, ROWS), jnp.float32),
+        q_bar=plgpu.Barrier(num_barriers=1),
+        kv_bars=plgpu.Barrier(num_arrivals=tiles.copies_per_page * tiles.pages_per_block,
+                              num_barriers=spec.stages))
+    kind = "stream" if spec.stream_only else "decode_mma"
+    name = (f"paged_{kind}_ppb{tiles.pages_per_block}_ps{tiles.page_size}_st{spec.stages}"
+            f"_splits{spec.num_splits}_g{spec.group}_d{d}")
+    params = plgpu.CompilerParams(approx_math=True, lowering_semantics=SEMANTICS[semantics])
+    return plgpu.kernel(
+        functools.partial(_kernel, spec=spec, lay=lay), out_type=out_type,
+        scratch_types=scratch, grid=(batch, num_kv_heads, spec.num_splits),
+        grid_names=("b", "kvh", "split"), compiler_params=params, interpret=interpret,
+        kernel_name=name)
+
+
+def smem_bytes(block_tokens: int, head_dim: int, stages: int, itemsize: int = 2) -> int:
+    """SMEM one program takes: the K/V ring, Q, P, the float32 output and stats (the
+    interpreter's transposed K scratch is not counted: it exists only on a CPU)."""
+    ring = 2 * stages * block_tokens * head_dim * itemsize
+    return ring + ROWS * (head_dim + block_tokens) * itemsize + ROWS * (head_dim + 2) * 4
+
+
+def mma_refusal(dtype, page_size: int, head_dim: int, pages_per_block: int, stages: int,
+                window=None, scales=None) -> str | None:
+    """Why this kernel cannot serve a geometry (the CUDA-core kernel then does), or None."""
+    t = page_size * pages_per_block
+    if jnp.dtype(dtype) not in MMA_DTYPES or scales is not None:
+        return f"{jnp.dtype(dtype).name} pages: tensor-core decode takes bfloat16 or float16"
+    if window is not None:
+        return "a sliding window: the CUDA-core kernel reads windows"
+    if t % ROWS or t > 256:
+        return (f"pages_per_block x page_size = {t} keys a stage must be a multiple of {ROWS}"
+                " and at most 256 (one WGMMA's width)")
+    if head_dim not in (64, 128, 256):
+        return f"head_dim={head_dim}: use 64, 128 or 256"
+    if not 2 <= stages <= 4:
+        return f"stages={stages}: use 2-4"
+    need = smem_bytes(t, head_dim, stages, jnp.dtype(dtype).itemsize)
+    if need > SMEM_BUDGET_BYTES:
+        return f"{need} bytes of SMEM (> {SMEM_BUDGET_BYTES}): fewer stages or pages a block"
+    return None
+
+
+def default_pages_per_block(page_size: int) -> int:
+    """Pages of a stage: 64 keys, or one page when a page is longer."""
+    return max(1, ROWS // page_size)
+
+
+# ---------------------------------------------------------------- layer 3: public wrapper
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "logit_soft_cap", "pages_per_block", "stages", "num_splits", "stream_only",
+    "semantics", "interpret"))
+def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                               block_tables: jax.Array, lengths: jax.Array, *,
+                               layer: jax.Array | None = None, sm_scale: float | None = None,
+                               logit_soft_cap: float | None = None,
+                               pages_per_block: int | None = None,
+                               stages: int = DEFAULT_STAGES, num_splits: int | None = None,
+                               stream_only: bool = False, semantics: str = "lane",
+                               interpret: _interpret.Interpret = False) -> jax.Array:
+    """:func:`pallas_kernels.paged_decode_attention` on tensor cores (module docstring).
+
+    Args:
+      q: ``[batch, num_q_heads, head_dim]`` bf16/f16; query head ``i`` reads kv head
+        ``i // group``, ``group = num_q_heads / num_kv_heads <= 64``.
+      k_pages, v_pages: ``[num_pages, num_kv_heads, page_size, head_dim]``, or with ``layer``
+        the pool ``[num_layers, num_pages, ...]``, in ``q.dtype``.
+      block_tables: int32 ``[batch, max_pages_per_seq]``; lengths: int32 ``[batch]``.
+      layer: int32 scalar (traced; clipped into the pool), or None for 4-D pages.
+      sm_scale: defaults to ``head_dim ** -0.5``; logit_soft_cap: ``cap * tanh(s / cap)``.
+      pages_per_block: pages a stage (default: 64 keys); stages: the ring's depth (2-4).
+      num_splits: context splits per sequence (default: :func:`~pallas_kernels.paged_decode.
+        auto_num_splits`); stream_only: copy and wait only (returns zeros).
+      semantics: Mosaic GPU's lowering, ``"lane"`` (jax 0.10's default) or ``"warpgroup"``.
+      interpret: ``True`` (or ``InterpretGPUParams``) runs the kernel on CPU.
+
+    Returns:
+      ``[batch, num_q_heads, head_dim]`` in ``q.dtype``; length-0 rows are zero.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, num_q_heads, head_dim]; got {q.shape}")
+    batch, num_q_heads, head_dim = q.shape
+    kv, ints = pool_operands(k_pages, v_pages, None, layer)
+    page_size = kv[0].shape[3]
+    ppb = pages_per_block or default_pages_per_block(page_size)
+    refusal = mma_refusal(kv[0].dtype, page_size, head_dim, ppb, stages)
+    if refusal:
+        raise ValueError(refusal)
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {sorted(SEMANTICS)}; got {semantics!r}")
+    tiles = validate_kv(kv, block_tables, ppb)
+    check_query(q.dtype, head_dim, tiles)
+    num_kv_heads = kv[0].shape[2]
+    group = num_q_heads // num_kv_heads
+    if (num_q_heads % num_kv_heads or group > ROWS or block_tables.shape[0] != batch
+            or lengths.shape != (batch,)):
+        raise ValueError(f"num_q_heads={num_q_heads} must be 1-{ROWS} x num_kv_heads="
+                         f"{num_kv_heads}; block_tables {block_tables.shape} and lengths"
+                         f" {lengths.shape} must lead with batch={batch}")
+    total_blocks = pl.cdiv(tiles.max_pages, ppb)
+    splits = num_splits or auto_num_splits(batch, num_kv_heads, total_blocks)
+    bps = pl.cdiv(total_blocks, splits)
+    spec = _Spec(tiles, group, pl.cdiv(group, 8) * 8, stages, pl.cdiv(total_blocks, bps), bps,
+                 default_sm_scale(head_dim, sm_scale), logit_soft_cap, stream_only)
+    q_rows = jnp.zeros((batch, num_kv_heads, ROWS, head_dim), q.dtype)
+    q_rows = q_rows.at[:, :, :group].set(q.reshape(batch, num_kv_heads, group, head_dim))
+    acc, stats = _call(spec, batch, num_kv_heads, interpret, semantics)(
+        q_rows, kv, ints, block_tables, lengths.astype(jnp.int32))
+    out = combine_splits(acc[:, :, :, :group], stats, group)
+    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# ---------------------------------------------------------------- layer 4: reference
+
+reference = paged_decode_attention_reference
