@@ -233,6 +233,16 @@ def smem_bytes(block_tokens: int, head_dim: int, stages: int, itemsize: int = 2)
     return ring + ROWS * (head_dim + block_tokens) * itemsize + ROWS * (head_dim + 2) * 4
 
 
+REGISTER_BUDGET = 160  # of a thread's 255 32-bit registers, for the two float32 tiles
+
+
+def tile_registers(block_tokens: int, head_dim: int) -> int:
+    """32-bit registers a thread of the warpgroup (128 threads) holds for the float32 scores
+    ``[64, T]`` and output ``[64, head_dim]`` tiles; the rest of its 255 go to addresses,
+    the row statistics and the compiler. Over :data:`REGISTER_BUDGET` the tiles would spill."""
+    return ROWS * (block_tokens + head_dim) // 128
+
+
 def mma_refusal(dtype, page_size: int, head_dim: int, pages_per_block: int, stages: int,
                 window=None, scales=None) -> str | None:
     """Why this kernel cannot serve a geometry (the CUDA-core kernel then does), or None."""
@@ -248,10 +258,21 @@ def mma_refusal(dtype, page_size: int, head_dim: int, pages_per_block: int, stag
         return f"head_dim={head_dim}: use 64, 128 or 256"
     if not 2 <= stages <= 4:
         return f"stages={stages}: use 2-4"
+    if tile_registers(t, head_dim) > REGISTER_BUDGET:
+        return (f"{tile_registers(t, head_dim)} registers a thread for a [64, {t}] score and a"
+                f" [64, {head_dim}] output tile (> {REGISTER_BUDGET}): fewer keys a stage")
     need = smem_bytes(t, head_dim, stages, jnp.dtype(dtype).itemsize)
     if need > SMEM_BUDGET_BYTES:
         return f"{need} bytes of SMEM (> {SMEM_BUDGET_BYTES}): fewer stages or pages a block"
     return None
+
+
+def default_stages(block_tokens: int, head_dim: int, itemsize: int = 2) -> int:
+    """The ring's depth: :data:`DEFAULT_STAGES`, or fewer (not under 2) where SMEM is short
+    (page 128 at head_dim 128: 2 stages of 128 keys)."""
+    fits = [n for n in range(2, DEFAULT_STAGES + 1)
+            if smem_bytes(block_tokens, head_dim, n, itemsize) <= SMEM_BUDGET_BYTES]
+    return max(fits, default=2)
 
 
 def default_pages_per_block(page_size: int) -> int:
@@ -270,7 +291,7 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                layer: jax.Array | None = None, sm_scale: float | None = None,
                                logit_soft_cap: float | None = None,
                                pages_per_block: int | None = None,
-                               stages: int = DEFAULT_STAGES, num_splits: int | None = None,
+                               stages: int | None = None, num_splits: int | None = None,
                                stream_only: bool = False, semantics: str = "lane",
                                interpret: _interpret.Interpret = False) -> jax.Array:
     """:func:`pallas_kernels.paged_decode_attention` on tensor cores (module docstring).
@@ -283,7 +304,8 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
       block_tables: int32 ``[batch, max_pages_per_seq]``; lengths: int32 ``[batch]``.
       layer: int32 scalar (traced; clipped into the pool), or None for 4-D pages.
       sm_scale: defaults to ``head_dim ** -0.5``; logit_soft_cap: ``cap * tanh(s / cap)``.
-      pages_per_block: pages a stage (default: 64 keys); stages: the ring's depth (2-4).
+      pages_per_block: pages a stage (default: 64 keys); stages: the ring's depth, 2-4
+        (default: :func:`default_stages`).
       num_splits: context splits per sequence (default: :func:`~pallas_kernels.paged_decode.
         auto_num_splits`); stream_only: copy and wait only (returns zeros).
       semantics: Mosaic GPU's lowering, ``"lane"`` (jax 0.10's default) or ``"warpgroup"``.
@@ -298,6 +320,7 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     kv, ints = pool_operands(k_pages, v_pages, None, layer)
     page_size = kv[0].shape[3]
     ppb = pages_per_block or default_pages_per_block(page_size)
+    stages = stages or default_stages(ppb * page_size, head_dim, kv[0].dtype.itemsize)
     refusal = mma_refusal(kv[0].dtype, page_size, head_dim, ppb, stages)
     if refusal:
         raise ValueError(refusal)

@@ -1,0 +1,203 @@
+"""The tensor-core decode kernel (:mod:`pallas_kernels.decode_mma`) against the jnp oracle in
+interpret mode, its CUDA lowering under both Mosaic GPU semantics, the shape of its GPU
+branch, and its SMEM / register arithmetic.
+
+On a GPU the same tests compile and run it for real (``INTERPRET`` is False there). Each case
+packs the length edge cases (0, 1, page - 1, page, page + 1, long; two rows sharing a page)
+into one batch on a NaN-poisoned pool: every slot no row may read is NaN.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_pallas_kernels import (INTERPRET, Case, assert_rows_close, edge_lengths, make_pool,
+                                 ready)
+
+from pallas_kernels import _interpret, decode_mma
+from pallas_kernels.decode_mma import paged_decode_attention_mma
+from pallas_kernels.reference import paged_decode_attention_reference
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    yield
+    _interpret.reset_interpret_state()  # a kernel that raised leaves global state behind
+
+
+CASES = [
+    # group 1, 64-key pages, one split: the normalised path of a single split
+    Case(1, 128, "bfloat16", page_size=64, kwargs=(("num_splits", 1), ("sm_scale", 0.3))),
+    # two kv heads, 3 splits (some empty for short rows), poisoned == clean bit for bit
+    Case(2, 64, "bfloat16", num_kv_heads=2, kwargs=(("num_splits", 3),), clean_run=True),
+    # float16, 32-key pages, soft-capped scores, a 2-stage ring
+    Case(4, 64, "float16", page_size=32, kwargs=(("num_splits", 2), ("logit_soft_cap", 4.0),
+                                                 ("stages", 2))),
+    # group 8, 128-key stages of 8 pages, a 4-deep ring... at head_dim 64 (SMEM allows it)
+    Case(8, 64, "bfloat16", kwargs=(("pages_per_block", 8), ("stages", 4))),
+    # one page a stage (page 128, head_dim 128: 2 stages by default), automatic splits
+    Case(8, 128, "bfloat16", page_size=128),
+]
+
+
+def _run(q, pages, table, lengths, **kw):
+    return ready(paged_decode_attention_mma(q, *pages, table, lengths, interpret=INTERPRET,
+                                            **kw))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_mma_decode_matches_reference_on_poisoned_pages(case):
+    lengths = edge_lengths(case.page_size, 3 * 64 + 5)
+    clean, poisoned, table, lengths = make_pool(0, case, lengths)
+    q = jax.random.normal(jax.random.key(1), (len(lengths), case.num_kv_heads * case.group,
+                                              case.head_dim), case.dtype)
+    kw = dict(case.kwargs)
+    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "logit_soft_cap")}
+    out = _run(q, poisoned, table, lengths, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if case.clean_run:
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(_run(q, clean, table, lengths, **kw),
+                                                 np.float32))
+    assert not np.asarray(out[0], np.float32).any(), "a length-0 row must be exactly zero"
+    ref = paged_decode_attention_reference(q, *clean, table, lengths, **ref_kw)
+    assert_rows_close(out, ref, case.dtype, row_axes=(0, 1))
+
+
+def test_mma_decode_reads_its_layer_of_the_pool():
+    case = Case(4, 64, "bfloat16")
+    clean, poisoned, table, lengths = make_pool(2, case, [70, 5, 130])
+    q = jax.random.normal(jax.random.key(3), (3, 4, 64), jnp.bfloat16)
+    pool = [jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])
+            for x in poisoned]
+    out = _run(q, pool, table, lengths, layer=jnp.int32(1), num_splits=2)
+    ref = paged_decode_attention_reference(q, *clean, table, lengths)
+    assert_rows_close(out, ref, "bfloat16", row_axes=(0, 1))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the race detector is the CPU interpreter's")
+@pytest.mark.parametrize("stream_only", [False, True], ids=["decode", "stream"])
+def test_the_ring_has_no_races_and_every_stage_is_awaited(stream_only):
+    """A 3-stage ring over 5 blocks of one split: every TMA write is ordered before its reads,
+    and every barrier phase is awaited (the interpreter raises otherwise). Stream-only waits
+    for the same copies and returns zeros."""
+    case = Case(2, 64, "bfloat16")
+    clean, _, table, lengths = make_pool(4, case, [300, 70])
+    q = jax.random.normal(jax.random.key(5), (2, 2, 64), jnp.bfloat16)
+    params = _interpret.InterpretGPUParams(detect_races=True)
+    out = ready(paged_decode_attention_mma(q, *clean, table, lengths, num_splits=1, stages=3,
+                                           stream_only=stream_only, interpret=params))
+    assert not _interpret.races_found()
+    if stream_only:
+        assert not np.asarray(out, np.float32).any()
+    else:
+        ref = paged_decode_attention_reference(q, *clean, table, lengths)
+        assert_rows_close(out, ref, "bfloat16", row_axes=(0, 1))
+
+
+# ---------------------------------------------------------------- lowering and structure
+
+
+def _shapes(dtype, group, head_dim, page_size, batch=4, kv_heads=2, max_pages=32):
+    pages = jax.ShapeDtypeStruct((64, kv_heads, page_size, head_dim), dtype)
+    return (jax.ShapeDtypeStruct((batch, kv_heads * group, head_dim), dtype), pages, pages,
+            jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+LOWERINGS = {
+    "bf16-g8-d128-ps16": (jnp.bfloat16, 8, 128, 16, {}),
+    "bf16-g4-d64-ps16-st4-ppb8": (jnp.bfloat16, 4, 64, 16, dict(stages=4, pages_per_block=8)),
+    "f16-g1-d128-ps64-softcap": (jnp.float16, 1, 128, 64, dict(logit_soft_cap=30.0)),
+    "bf16-g2-d128-ps128": (jnp.bfloat16, 2, 128, 128, {}),
+    "bf16-g8-d64-ps32-stream": (jnp.bfloat16, 8, 64, 32, dict(stream_only=True)),
+}
+
+
+@pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+@pytest.mark.parametrize("name", LOWERINGS)
+def test_lowers_for_cuda_under_both_semantics(name, semantics):
+    """Lowering runs Mosaic GPU's layout, WGMMA and TMA checks (PTX needs a GPU); jax 0.10
+    lowers with Lane semantics by default and 0.11 with Warpgroup, so both are held."""
+    dtype, group, head_dim, page_size, kw = LOWERINGS[name]
+    fn = jax.jit(lambda *a: paged_decode_attention_mma(*a, semantics=semantics, **kw))
+    lowered = fn.trace(*_shapes(dtype, group, head_dim, page_size)).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    kind = "paged_stream" if kw.get("stream_only") else "paged_decode_mma"
+    assert kind in lowered.as_text(debug_info=True), "name= carries the kernel and its tiles"
+
+
+def _kernel_eqns(interpret: bool) -> list:
+    """Every equation of the kernel body (nested jaxprs included)."""
+    jaxpr = jax.make_jaxpr(lambda *a: paged_decode_attention_mma(*a, interpret=interpret))(
+        *_shapes(jnp.bfloat16, 4, 64, 16))
+
+    def walk(j, out):
+        for e in j.eqns:
+            out.append(e)
+            for p in e.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else [p]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner, out)
+        return out
+
+    return walk(jaxpr.jaxpr, [])
+
+
+def test_the_gpu_branch_runs_both_contractions_on_wgmma_with_k_read_transposed():
+    """Per block: two WGMMAs, ``Q @ K^T`` reading the stage through a transposed view and
+    ``P @ V`` the stage as it is; no transpose is computed. Interpreted, the only change is
+    K's transpose written to a scratch first (:func:`decode_mma._keys_for_scores`)."""
+    gpu = _kernel_eqns(False)
+    mma = [e for e in gpu if e.primitive.name == "wgmma_ref"]
+    assert len(mma) == 2
+    transposed = [bool(re.search("Transpose", str(e.params["b_transforms_tree"]))) for e in mma]
+    assert transposed == [True, False]
+    names = collections.Counter(e.primitive.name for e in gpu)
+    assert names["transpose"] == 0
+    cpu = collections.Counter(e.primitive.name for e in _kernel_eqns(True))
+    assert cpu["wgmma_ref"] == 2 and cpu["transpose"] == 1
+
+
+# ---------------------------------------------------------------- budgets and refusals
+
+
+def test_smem_and_register_budgets():
+    """One program's SMEM: the K/V ring, Q and P in bf16, the float32 output and stats; the
+    float32 score and output tiles' registers per thread of the warpgroup."""
+    assert decode_mma.smem_bytes(64, 128, 3) == (2 * 3 * 64 * 128 * 2 + 64 * (128 + 64) * 2
+                                                 + 64 * 130 * 4)
+    assert decode_mma.tile_registers(64, 128) == 96  # 64 x (64 + 128) floats / 128 threads
+    assert decode_mma.default_stages(64, 128) == 3
+    assert decode_mma.default_stages(128, 128) == 2  # 3 stages of 128 keys do not fit
+    refuse = decode_mma.mma_refusal
+    assert refuse(jnp.bfloat16, 16, 128, 4, 3) is None
+    assert "SMEM" in refuse(jnp.bfloat16, 128, 128, 1, 3)
+    assert "registers" in refuse(jnp.bfloat16, 16, 128, 16, 2)  # [64, 256] scores
+    assert "bfloat16 or float16" in refuse(jnp.float32, 16, 64, 4, 3)
+    assert "bfloat16 or float16" in refuse(jnp.int8, 16, 64, 4, 3, scales=object())
+    assert "window" in refuse(jnp.bfloat16, 16, 64, 4, 3, window=128)
+    assert "multiple of 64" in refuse(jnp.bfloat16, 16, 64, 3, 3)
+    assert "stages=5" in refuse(jnp.bfloat16, 16, 64, 4, 5)
+
+
+def test_bad_input_names_the_fix():
+    case = Case(2, 64, "float32")
+    clean, _, table, lengths = make_pool(0, case, [20])
+    q = jnp.zeros((1, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        paged_decode_attention_mma(q, *clean, table, lengths, interpret=True)
+    bf = [x.astype(jnp.bfloat16) for x in clean]
+    with pytest.raises(ValueError, match="semantics"):
+        paged_decode_attention_mma(q.astype(jnp.bfloat16), *bf, table, lengths,
+                                   semantics="lanes", interpret=True)
+    with pytest.raises(ValueError, match="pages_per_block x page_size"):
+        paged_decode_attention_mma(q.astype(jnp.bfloat16), *bf, table, lengths,
+                                   pages_per_block=3, interpret=True)
