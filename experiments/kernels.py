@@ -12,6 +12,13 @@ fraction of a measured device-to-device copy rate.
     python -m experiments.kernels --quick    # two small points
     python -m experiments.kernels --interpret  # tiny CPU smoke run of the Mosaic kernel
     python -m experiments.kernels --tune       # paxkv kernel only: pages_per_block x num_splits
+    python -m experiments.kernels --mma        # the tensor-core kernel over stages x splits,
+                                               # its stream-only ceiling, the CUDA-core kernel
+                                               # and JAX's Triton one (issue 34's cells)
+
+``stream_*`` rows are :mod:`pallas_kernels.decode_mma` with ``stream_only=True``: the same page
+copies and ring, no arithmetic (returns zeros, so not checked): the ceiling of one copy per
+page at that page size. ``mma_*`` rows' ``frac_of_stream`` is their bandwidth over it.
 
 Writes ``results/kernels.json`` (config, versions, device, git SHA, rows) and prints a table.
 """
@@ -26,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import parser, provenance, record, result_name, timed, write_json
+from pallas_kernels import decode_mma
+from pallas_kernels.decode_mma import paged_decode_attention_mma
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_decode_attention_reference
 from pallas_kernels import quant
@@ -38,6 +47,10 @@ QUICK_SWEEP = [(4, 512, 16), (16, 4096, 64)]
 INTERPRET_SWEEP = [(2, 128, 16)]
 TUNE_SWEEP = [(64, 32768, 16), (16, 4096, 16), (256, 512, 16), (1, 32768, 16)]
 TUNE_GRID = [(ppb, splits) for ppb in (4, 8) for splits in (1, 2, 4, 8, 16, 32)]
+MMA_SWEEP = ([(b, c, p) for p in (16, 64) for b, c in
+              ((64, 32768), (16, 4096), (1, 32768), (256, 512), (32, 8192))]
+             + [(32, 8192, p) for p in (32, 128)])
+MMA_GRID = [(stages, None) for stages in (2, 3, 4)] + [(3, n) for n in (1, 8, 32)]
 
 
 def parse_args(argv=None):
@@ -45,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--interpret", action="store_true", help="tiny CPU run in interpret mode")
     p.add_argument("--tune", action="store_true",
                    help="the paxkv kernel alone over pages_per_block x num_splits")
+    p.add_argument("--mma", action="store_true",
+                   help="the tensor-core kernel over stages x splits, with its stream ceiling")
     p.add_argument("--num-q-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -100,6 +115,10 @@ def implementations(args, q, k_pages, v_pages, table, lengths, interpret, int8=N
                 for ppb, n in TUNE_GRID if n <= blocks(ppb)}
     impls = {"paxkv_paged": lambda: paged_decode_attention(q, k_pages, v_pages, table, lengths,
                                                             interpret=interpret)}
+    impls |= mma_implementations(args, q, k_pages, v_pages, table, lengths, interpret)
+    if args.mma:
+        impls |= triton_paged(args, q, k_pages, v_pages, table, lengths, interpret)
+        return impls
     if int8 is not None:
         impls["paxkv_paged_int8"] = lambda: paged_decode_attention(
             q, *int8[:2], table, lengths, scales=int8[2], interpret=interpret)
@@ -110,18 +129,52 @@ def implementations(args, q, k_pages, v_pages, table, lengths, interpret, int8=N
     if interpret:
         return impls
     try:
-        from jax.experimental.pallas.ops.gpu import decode_attention, paged_attention
+        from jax.experimental.pallas.ops.gpu import decode_attention
     except ImportError as e:  # pragma: no cover - depends on the jax build
         print(f"JAX Triton ops unavailable: {e}")
         return impls
     impls["dense_triton_decode"] = lambda: decode_attention.gqa(q, k, v, kv_seq_len=lengths,
                                                                 sm_scale=scale)
+    return impls | triton_paged(args, q, k_pages, v_pages, table, lengths, interpret)
+
+
+def triton_paged(args, q, k_pages, v_pages, table, lengths, interpret):
+    """JAX's Triton ``paged_attention`` (the speed anchor), or nothing off a GPU."""
+    if interpret:
+        return {}
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention
+    except ImportError as e:  # pragma: no cover - depends on the jax build
+        print(f"JAX Triton paged_attention unavailable: {e}")
+        return {}
+    scale = args.head_dim ** -0.5
     kt, vt = jax.block_until_ready((k_pages.transpose(1, 0, 2, 3), v_pages.transpose(1, 0, 2, 3)))
     qs = (q.astype(jnp.float32) * scale).astype(q.dtype)  # it applies no scale itself
     ppcb = max(1, min(table.shape[1], 128 // k_pages.shape[2]))
-    impls["jax_triton_paged"] = lambda: paged_attention.paged_attention(
-        qs, kt, vt, table, lengths, pages_per_compute_block=ppcb)
-    return impls
+    return {"jax_triton_paged": lambda: paged_attention.paged_attention(
+        qs, kt, vt, table, lengths, pages_per_compute_block=ppcb)}
+
+
+def mma_implementations(args, q, k_pages, v_pages, table, lengths, interpret):
+    """The tensor-core kernel (each ``(stages, splits)`` of :data:`MMA_GRID` with ``--mma``,
+    else its defaults) and its stream-only ceiling, where the geometry allows them."""
+    page_size = k_pages.shape[2]
+    ppb = decode_mma.default_pages_per_block(page_size)
+    grid = MMA_GRID if args.mma else [(None, None)]
+    out = {}
+    for stages, splits in grid:
+        n = stages or decode_mma.default_stages(ppb * page_size, args.head_dim)
+        if decode_mma.mma_refusal(q.dtype, page_size, args.head_dim, ppb, n):
+            continue
+        name = f"mma_st{n}" + (f"_splits{splits}" if splits else "")
+        out[name] = functools.partial(paged_decode_attention_mma, q, k_pages, v_pages, table,
+                                      lengths, stages=n, num_splits=splits,
+                                      interpret=interpret)
+    if out:
+        out["stream"] = functools.partial(paged_decode_attention_mma, q, k_pages, v_pages,
+                                          table, lengths, stream_only=True,
+                                          interpret=interpret)
+    return out
 
 
 def copy_rate(interpret) -> float:
@@ -151,9 +204,12 @@ def run_point(args, point, copy_bps, interpret):
         row = dict(batch=batch, context=context, page_size=page_size, impl=name, ok=False)
         try:
             out = np.asarray(fn()[:check], np.float32)
-            err = np.linalg.norm(out - ref, axis=-1) / np.maximum(
-                np.linalg.norm(ref, axis=-1), 1e-6)
-            row.update(max_rel_err=float(err.max()), ok=bool(err.max() < 2e-2))
+            if name == "stream":  # copies only: its output is zeros by design
+                row.update(ok=not out.any())
+            else:
+                err = np.linalg.norm(out - ref, axis=-1) / np.maximum(
+                    np.linalg.norm(ref, axis=-1), 1e-6)
+                row.update(max_rel_err=float(err.max()), ok=bool(err.max() < 2e-2))
             if row["ok"]:
                 sec = timed(fn, repeats=args.iters, warmup=3).median_s
                 row.update(median_ms=1e3 * sec, gbps=nbytes / sec / 1e9,
@@ -161,6 +217,10 @@ def run_point(args, point, copy_bps, interpret):
         except Exception as e:  # noqa: BLE001 - one failing baseline must not end the sweep
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append(row)
+    stream = next((r for r in rows if r["impl"] == "stream" and "gbps" in r), None)
+    for row in rows:
+        if stream and row["impl"].startswith("mma") and "gbps" in row:
+            row["frac_of_stream"] = row["gbps"] / stream["gbps"]
         print(format_row(row), flush=True)
     return rows
 
@@ -169,8 +229,10 @@ def format_row(r):
     timing = (f"{r['median_ms']:9.3f} ms {r['gbps']:8.1f} GB/s {100 * r['frac_of_copy']:5.1f}%"
               if "median_ms" in r else f"{'-':>9}    {'-':>8}       {'-':>5} ")
     status = "ok" if r["ok"] else r.get("error", f"WRONG (err {r.get('max_rel_err', 0):.2g})")
+    ceiling = (f"  {100 * r['frac_of_stream']:5.1f}% of stream" if "frac_of_stream" in r
+               else "")
     return (f"{r['batch']:5d} {r['context']:6d} {r['page_size']:4d}  {r['impl']:22s} {timing}"
-            f"  {status}")
+            f"  {status}{ceiling}")
 
 
 def main(argv=None):
@@ -181,7 +243,7 @@ def main(argv=None):
     if args.interpret:
         args.num_q_heads, args.num_kv_heads, args.head_dim, args.iters = 4, 2, 64, 2
     sweep = (INTERPRET_SWEEP if args.interpret else TUNE_SWEEP if args.tune
-             else QUICK_SWEEP if args.quick else FULL_SWEEP)
+             else MMA_SWEEP if args.mma else QUICK_SWEEP if args.quick else FULL_SWEEP)
     if args.quick:
         args.iters = min(args.iters, 5)
     started = provenance()
@@ -191,7 +253,7 @@ def main(argv=None):
           " of copy")
     rows = [r for point in sweep for r in run_point(args, point, copy_bps, args.interpret)]
     name = ("kernels_interpret" if args.interpret else "kernels_tune" if args.tune
-            else result_name("kernels", args.quick))
+            else "kernels_mma" if args.mma else result_name("kernels", args.quick))
     write_json(name, record(dict(vars(args), **started), dict(copy_gbps=copy_bps / 1e9, rows=rows)),
                path=args.out)
     return rows
