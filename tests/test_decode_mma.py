@@ -22,6 +22,8 @@ from test_pallas_kernels import (INTERPRET, Case, assert_rows_close, edge_length
 from pallas_kernels import _interpret, decode_mma
 from pallas_kernels.decode_mma import paged_decode_attention_mma
 from pallas_kernels.reference import paged_decode_attention_reference
+from paxkv.cache import paged as paged_cache
+from paxkv.core.step_info import StepInfo
 
 
 @pytest.fixture(autouse=True)
@@ -201,3 +203,58 @@ def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="pages_per_block x page_size"):
         paged_decode_attention_mma(q.astype(jnp.bfloat16), *bf, table, lengths,
                                    pages_per_block=3, interpret=True)
+
+
+# ---------------------------------------------------------------- through the paged cache
+
+
+def _cache_decode(impl: str, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of 0, 17 and 70 cached tokens (written by one prefill step) decode one more
+    through ``PagedCache.attend`` with ``attention_impl=impl`` -> (decode out, prefill out)."""
+    cache = paged_cache.create(num_layers=2, num_kv_heads=2, head_dim=64, num_pages=16,
+                               page_size=16, max_seqs=3, max_len=96, dtype=dtype,
+                               attention_impl=impl, fill=jnp.nan, scrub=False)
+    lengths = jnp.array([0, 17, 70], jnp.int32)
+    cache, ok = cache.reserve(lengths + 1, max_new=96)
+    assert bool(ok.all())
+    keys = jax.random.split(jax.random.key(7), 6)
+    normal = lambda key, shape: jax.random.normal(key, shape, dtype)  # noqa: E731
+    prefill = StepInfo.make(lengths, lengths, 80)  # lengths after the step
+    cache, pre = jax.jit(lambda c, q, k, v: c.attend(jnp.int32(1), q, k, v, prefill))(
+        cache, normal(keys[0], (3, 80, 4, 64)), normal(keys[1], (3, 80, 2, 64)),
+        normal(keys[2], (3, 80, 2, 64)))
+    live = jnp.array([0, 1, 1], jnp.int32)
+    decode = StepInfo.make(lengths + live, live, 1)
+    _, out = jax.jit(lambda c, q, k, v: c.attend(jnp.int32(1), q, k, v, decode))(
+        cache, normal(keys[3], (3, 1, 4, 64)), normal(keys[4], (3, 1, 2, 64)),
+        normal(keys[5], (3, 1, 2, 64)))
+    return np.asarray(ready(out), np.float32), np.asarray(pre, np.float32)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpret mode: the XLA twin runs on this backend")
+def test_pallas_mma_cache_decodes_what_the_xla_path_does():
+    """``attention_impl="pallas_mma"``: the cache's decode runs the tensor-core kernel over its
+    own pool (a traced layer, NaN in every free slot) and gives the XLA path's output."""
+    mma, mma_pre = _cache_decode("pallas_mma", jnp.float16)
+    xla, xla_pre = _cache_decode("xla", jnp.float16)
+    assert np.isfinite(mma).all()
+    assert_rows_close(mma_pre[1:, :1], xla_pre[1:, :1], "float16", row_axes=(0, 1, 2))
+    assert_rows_close(mma[1:], xla[1:], "float16", row_axes=(0, 1, 2))
+
+
+def test_pallas_mma_cache_lowers_its_decode_to_the_tensor_core_kernel(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # compile, bf16 as itself
+    cache = paged_cache.create(num_layers=4, num_kv_heads=2, head_dim=64, num_pages=8,
+                               page_size=16, max_seqs=2, max_len=64, dtype=jnp.bfloat16,
+                               attention_impl="pallas_mma")
+
+    def decode_layer(cache, q, k, v, layer):
+        step = StepInfo.make(cache.lengths, jnp.ones((2,), jnp.int32), 1)
+        return cache.attend(layer, q, k, v, step)
+
+    q = jax.ShapeDtypeStruct((2, 1, 6, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 1, 2, 64), jnp.bfloat16)
+    lowered = jax.jit(decode_layer, donate_argnums=0).trace(
+        cache, q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
+    assert "paged_decode_mma" in lowered.as_text(debug_info=True)

@@ -26,7 +26,7 @@ from paxkv.core.plan import NO_PLAN, AttentionPlan
 from paxkv.core.step_info import StepInfo
 from paxkv.table import page_table as pt
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "pallas_mma")
 
 
 def resolve_impl(impl: str, dtype: jnp.dtype, *, page_size: int, head_dim: int,
@@ -37,7 +37,8 @@ def resolve_impl(impl: str, dtype: jnp.dtype, *, page_size: int, head_dim: int,
     rather than failing at its first step. Naming ``"pallas"`` keeps the kernels' own error.
     ``backend``: JAX's default backend unless given. Checks the name."""
     if impl not in IMPLS + ("auto",):
-        raise ValueError(f"attention_impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+        raise ValueError(f"attention_impl must be 'auto', 'pallas', 'pallas_mma' or 'xla', "
+                         f"got {impl!r}")
     if impl != "auto":
         return impl
     if (backend or jax.default_backend()) != "gpu":
@@ -62,7 +63,8 @@ class PagedCache:
       pool: the K/V pages of every layer.
       table: block tables, lengths, ref counts.
       scrub: zero pages when they are handed out (static).
-      impl: "xla" or "pallas": how :meth:`attend` reads the pages (static).
+      impl: "xla", "pallas" or "pallas_mma" (decode on tensor cores where it serves the
+        pages): how :meth:`attend` reads the pages (static).
       layer_windows: each layer's sliding window (None: global), or None when no layer slides
         (static; :func:`paxkv.attention.blocks.layer_window`): a window layer's queries read
         only their last ``w`` keys.
@@ -184,14 +186,15 @@ def attend_pages(pool: kv_pool.KVPool, table: pt.PageTable, impl: str, layer: ja
     block_tables = table.block_tables
     if step.rows is not None:
         block_tables = block_tables[step.rows]
-    if impl == "pallas":
+    if impl != "xla":
         pool = _pallas_write(pool, layer, k, v, pages, offsets)
     else:
         pool = kv_pool.write(pool, layer, k, v, pages, offsets)
 
     def read(tables: jax.Array, plan: AttentionPlan) -> jax.Array:
-        if impl == "pallas":
-            return _pallas_attend(pool, layer, q, tables, step, scores)
+        if impl != "xla":
+            return _pallas_attend(pool, layer, q, tables, step, scores,
+                                  mma=impl == "pallas_mma")
         return paged_xla.attend(pool, layer, q, tables, step, plan,
                                 page_size=page_size, **scores)
 
@@ -232,19 +235,27 @@ def _pallas_write(pool: kv_pool.KVPool, layer: jax.Array, k: jax.Array, v: jax.A
 
 
 def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
-                   block_tables: jax.Array, step: StepInfo, scores: dict) -> jax.Array:
+                   block_tables: jax.Array, step: StepInfo, scores: dict,
+                   mma: bool = False) -> jax.Array:
     """The decode or prefill kernel over ``block_tables`` ``[b, width]`` -> ``[b, t, H, Dh]``.
 
     NOTE: every kernel gets the whole 5-D pool plus ``layer`` and indexes the layer itself:
     ``pool.k[layer]`` here would be a dynamic slice that XLA materialises to feed the custom
     call, a copy of one layer's K/V per layer per step. Rows that do not attend this step get
     length 0, so a kernel never walks a table past the window it was given. 8-bit pools hand
-    their scales along; the kernels dequantise after the load.
+    their scales along; the kernels dequantise after the load. ``mma``: decode on tensor
+    cores (:mod:`pallas_kernels.decode_mma`) where it serves the pages (bf16 / f16, no
+    sliding window), the CUDA-core kernel elsewhere.
     """
     import pallas_kernels  # noqa: PLC0415
 
     interpret = jax.default_backend() != "gpu"
     lengths = jnp.where(step.query_lengths > 0, step.lengths, 0)
+    if q.shape[1] == 1 and mma and _mma_serves(pool, scores):
+        return pallas_kernels.paged_decode_attention_mma(
+            q[:, 0], pool.k, pool.v, block_tables, lengths, layer=layer,
+            sm_scale=scores["sm_scale"], logit_soft_cap=scores["logit_soft_cap"],
+            interpret=interpret)[:, None]
     if q.shape[1] == 1:
         return pallas_kernels.paged_decode_attention(
             q[:, 0], pool.k, pool.v, block_tables, lengths, scales=pool.scales, layer=layer,
@@ -252,6 +263,18 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
     return pallas_kernels.paged_prefill_attention(
         q, pool.k, pool.v, block_tables, lengths, step.query_lengths, scales=pool.scales,
         layer=layer, interpret=interpret, **scores)
+
+
+def _mma_serves(pool: kv_pool.KVPool, scores: dict) -> bool:
+    """Whether the tensor-core decode kernel takes this pool and layer (its refusal names why
+    not: float32 or 8-bit pages, a sliding window, a geometry it cannot tile)."""
+    from pallas_kernels import decode_mma  # noqa: PLC0415
+
+    page_size, head_dim = pool.k.shape[-2:]
+    ppb = decode_mma.default_pages_per_block(page_size)
+    stages = decode_mma.default_stages(ppb * page_size, head_dim, pool.k.dtype.itemsize)
+    return decode_mma.mma_refusal(pool.k.dtype, page_size, head_dim, ppb, stages,
+                                  window=scores["window"], scales=pool.scales) is None
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,

@@ -290,7 +290,7 @@ def create(*, mesh: Mesh, num_layers: int, num_kv_heads: int, head_dim: int, num
         max_len=max_len, dtype=dtype, scrub=scrub, fill=fill, attention_impl=attention_impl,
         layer_windows=layer_windows)
     shape = jax.eval_shape(one_shard)  # the impl and windows one shard resolves to
-    if shape.impl == "pallas" and model > 1:
+    if shape.impl != "xla" and model > 1:
         raise ValueError("the Pallas kernels do not run on a model axis yet: use "
                          "attention_impl='xla' on a (data, model) mesh with model > 1, or a "
                          "(data, 1) mesh")
