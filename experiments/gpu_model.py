@@ -42,7 +42,7 @@ SMOLLM2_135M = models.LlamaConfig(
     num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True)
 CELLS = [(64, 2048), (64, 512), (256, 2048), (8, 2048)]
 TINY_CELLS = [(2, 64)]
-VARIANTS = (("paged", "pallas"), ("paged", "xla"), ("dense", "xla"))
+VARIANTS = (("paged", "pallas"), ("paged", "pallas_mma"), ("paged", "xla"), ("dense", "xla"))
 
 
 def random_model(config: models.LlamaConfig, seed: int = 0) -> models.LanguageModel:
@@ -59,7 +59,8 @@ def random_model(config: models.LlamaConfig, seed: int = 0) -> models.LanguageMo
                                 name="random-smollm2-135m")
 
 
-def prefill_check(lm: models.LanguageModel, batch: int, max_prompt: int) -> dict[str, Any]:
+def prefill_check(lm: models.LanguageModel, batch: int, max_prompt: int,
+                  kv_dtype: Any = jnp.float32) -> dict[str, Any]:
     """Greedy next tokens after a ragged prefill, Pallas vs XLA, on fresh paged caches."""
     c = lm.config
     rng = np.random.default_rng(1)
@@ -71,7 +72,7 @@ def prefill_check(lm: models.LanguageModel, batch: int, max_prompt: int) -> dict
         cache = paged_cache.create(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                    head_dim=c.head_dim, num_pages=batch * (max_prompt // 16 + 1),
                                    page_size=16, max_seqs=batch, max_len=max_prompt,
-                                   attention_impl=impl)
+                                   attention_impl=impl, dtype=kv_dtype)
         _, nxt, ok, _ = steps.prefill_step(lm.forward, lm.params, cache, tokens, rows,
                                            query_lengths, None)
         assert bool(ok.all()), f"{impl} prefill failed to reserve"
@@ -85,8 +86,8 @@ def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dic
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, lm.config.vocab_size, batch),
                          jnp.int32)
     plan = window_plan(context)
-    caches = {v: filled_cache(lm, v[0], batch, context, filled, attention_impl=v[1])
-              for v in VARIANTS}
+    caches = {v: filled_cache(lm, v[0], batch, context, filled, attention_impl=v[1],
+                              kv_dtype=jnp.dtype(args.kv_dtype)) for v in VARIANTS}
     with jax.default_matmul_precision("highest"):  # XLA's einsums would otherwise run in TF32
         logits = {v: np.asarray(step_logits(lm.forward, lm.params, caches[v], tokens, plan))
                   for v in VARIANTS}
@@ -95,6 +96,7 @@ def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dic
                            / np.linalg.norm(dense, axis=1)).max())
     row: dict[str, Any] = dict(batch=batch, context=context, filled=filled,
                                pallas_logit_rel_err=rel(logits["paged", "pallas"]),
+                               mma_logit_rel_err=rel(logits["paged", "pallas_mma"]),
                                xla_logit_rel_err=rel(logits["paged", "xla"]),
                                argmax_equal=bool(all((logits[v].argmax(1) == dense.argmax(1)).all()
                                                      for v in VARIANTS)))
@@ -121,6 +123,7 @@ def decode_cell(lm: models.LanguageModel, batch: int, context: int, args) -> dic
         row[f"{kind}_{impl}_tok_s"] = batch / t.median_s
     row["pallas_vs_xla"] = row["paged_xla_ms"] / row["paged_pallas_ms"]
     row["pallas_vs_dense"] = row["dense_xla_ms"] / row["paged_pallas_ms"]
+    row["mma_vs_pallas"] = row["paged_pallas_ms"] / row["paged_pallas_mma_ms"]
     # timed steps run at the default precision (TF32 in XLA's einsums, f32 in the kernels), so
     # with random weights' near-flat logits a greedy token can flip: reported, not asserted
     row["timed_tokens_equal_fraction"] = float(np.mean(
@@ -133,6 +136,9 @@ def main(argv=None) -> dict[str, Any]:
     ap.add_argument("--tiny", action="store_true", help="2 layers, interpret mode on CPU")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="pages' dtype (bfloat16: the model computes in it too, and "
+                         "'pallas_mma' decodes on tensor cores; float32: it falls back)")
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.tiny:
         sys.exit("experiments.gpu_model needs a GPU; --tiny runs a CPU smoke test")
@@ -143,11 +149,14 @@ def main(argv=None) -> dict[str, Any]:
         args.warmup, args.repeats = 1, 2
     started = provenance()
     lm = random_model(config)
+    if args.kv_dtype == "bfloat16":
+        lm = models.LanguageModel(lm.config, lm.params, None, lm.name, jnp.bfloat16)
     dev = jax.devices()[0]
     print(f"device {dev.platform}:{dev.device_kind}, jax {jax.__version__}", flush=True)
     with jax.default_matmul_precision("highest"):
         pre = prefill_check(lm, batch=4 if args.tiny else 16,
-                            max_prompt=32 if args.tiny else 256)
+                            max_prompt=32 if args.tiny else 256,
+                            kv_dtype=jnp.dtype(args.kv_dtype))
     print(f"prefill: Pallas vs XLA greedy tokens equal: {pre['tokens_equal_fraction']:.0%}",
           flush=True)
     rows = []
@@ -158,15 +167,18 @@ def main(argv=None) -> dict[str, Any]:
             rows.append(dict(batch=batch, context=context, error=f"{type(e).__name__}: {e}"[:300]))
         print(rows[-1], flush=True)
     ok = [r for r in rows if "error" not in r]
-    print_table(["batch", "context", "pallas ms", "xla ms", "dense ms", "pallas tok/s",
-                 "xla/pallas", "dense/pallas", "logit err (pallas)", "argmax equal"],
+    print_table(["batch", "context", "pallas ms", "mma ms", "xla ms", "dense ms",
+                 "pallas tok/s", "xla/pallas", "dense/pallas", "logit err (pallas)",
+                 "argmax equal"],
                 [[r["batch"], r["context"], f"{r['paged_pallas_ms']:.2f}",
+                  f"{r['paged_pallas_mma_ms']:.2f}",
                   f"{r['paged_xla_ms']:.2f}", f"{r['dense_xla_ms']:.2f}",
                   f"{r['paged_pallas_tok_s']:.0f}", f"{r['pallas_vs_xla']:.2f}x",
                   f"{r['pallas_vs_dense']:.2f}x", f"{r['pallas_logit_rel_err']:.1e}",
                   r["argmax_equal"]] for r in ok])
     result = record(dict(vars(args), model=lm.name, **started), dict(prefill=pre, cells=rows))
-    write_json("gpu_model_tiny" if args.tiny else "gpu_model", result)
+    suffix = "" if args.kv_dtype == "float32" else f"_{args.kv_dtype}"
+    write_json(("gpu_model_tiny" if args.tiny else "gpu_model") + suffix, result)
     return result
 
 
