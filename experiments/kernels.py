@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import parser, provenance, record, result_name, timed, write_json
-from pallas_kernels import decode_mma
+from pallas_kernels import mma_budget
 from pallas_kernels.decode_mma import paged_decode_attention_mma
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_decode_attention_reference
@@ -159,12 +159,12 @@ def mma_implementations(args, q, k_pages, v_pages, table, lengths, interpret):
     """The tensor-core kernel (each ``(stages, splits)`` of :data:`MMA_GRID` with ``--mma``,
     else its defaults) and its stream-only ceiling, where the geometry allows them."""
     page_size = k_pages.shape[2]
-    ppb = decode_mma.default_pages_per_block(page_size)
+    ppb = mma_budget.default_pages_per_block(page_size)
     grid = MMA_GRID if args.mma else [(None, None)]
     out = {}
     for stages, splits in grid:
-        n = stages or decode_mma.default_stages(ppb * page_size, args.head_dim)
-        if decode_mma.mma_refusal(q.dtype, page_size, args.head_dim, ppb, n):
+        n = stages or mma_budget.default_stages(ppb * page_size, args.head_dim)
+        if mma_budget.mma_refusal(q.dtype, page_size, args.head_dim, ppb, n):
             continue
         name = f"mma_st{n}" + (f"_splits{splits}" if splits else "")
         out[name] = functools.partial(paged_decode_attention_mma, q, k_pages, v_pages, table,

@@ -50,14 +50,12 @@ from jax import lax
 
 from pallas_kernels import _interpret
 from pallas_kernels._stream import KVStream, fetch_block, read_layer
-from pallas_kernels._tiles import (SMEM_BUDGET_BYTES, TMA_SMEM_ALIGN, KVTiles, check_query,
-                                   pool_operands, validate_kv)
+from pallas_kernels._tiles import (TMA_SMEM_ALIGN, KVTiles, check_query, pool_operands,
+                                   validate_kv)
+from pallas_kernels.mma_budget import ROWS, default_pages_per_block, default_stages, mma_refusal
 from pallas_kernels.paged_decode import auto_num_splits, combine_splits
 from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
 
-ROWS = 64  # query rows of one WGMMA: the GQA group, zero-padded
-MMA_DTYPES = (jnp.bfloat16, jnp.float16)
-DEFAULT_STAGES = 3
 LOG2E = math.log2(math.e)
 SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane,
              "warpgroup": plgpu.LoweringSemantics.Warpgroup}
@@ -224,60 +222,6 @@ def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str)
         scratch_types=scratch, grid=(batch, num_kv_heads, spec.num_splits),
         grid_names=("b", "kvh", "split"), compiler_params=params, interpret=interpret,
         kernel_name=name)
-
-
-def smem_bytes(block_tokens: int, head_dim: int, stages: int, itemsize: int = 2) -> int:
-    """SMEM one program takes: the K/V ring, Q, P, the float32 output and stats (the
-    interpreter's transposed K scratch is not counted: it exists only on a CPU)."""
-    ring = 2 * stages * block_tokens * head_dim * itemsize
-    return ring + ROWS * (head_dim + block_tokens) * itemsize + ROWS * (head_dim + 2) * 4
-
-
-REGISTER_BUDGET = 160  # of a thread's 255 32-bit registers, for the two float32 tiles
-
-
-def tile_registers(block_tokens: int, head_dim: int) -> int:
-    """32-bit registers a thread of the warpgroup (128 threads) holds for the float32 scores
-    ``[64, T]`` and output ``[64, head_dim]`` tiles; the rest of its 255 go to addresses,
-    the row statistics and the compiler. Over :data:`REGISTER_BUDGET` the tiles would spill."""
-    return ROWS * (block_tokens + head_dim) // 128
-
-
-def mma_refusal(dtype, page_size: int, head_dim: int, pages_per_block: int, stages: int,
-                window=None, scales=None) -> str | None:
-    """Why this kernel cannot serve a geometry (the CUDA-core kernel then does), or None."""
-    t = page_size * pages_per_block
-    if jnp.dtype(dtype) not in MMA_DTYPES or scales is not None:
-        return f"{jnp.dtype(dtype).name} pages: tensor-core decode takes bfloat16 or float16"
-    if window is not None:
-        return "a sliding window: the CUDA-core kernel reads windows"
-    if t % ROWS or t > 256:
-        return (f"pages_per_block x page_size = {t} keys a stage must be a multiple of {ROWS}"
-                " and at most 256 (one WGMMA's width)")
-    if head_dim not in (64, 128, 256):
-        return f"head_dim={head_dim}: use 64, 128 or 256"
-    if not 2 <= stages <= 4:
-        return f"stages={stages}: use 2-4"
-    if tile_registers(t, head_dim) > REGISTER_BUDGET:
-        return (f"{tile_registers(t, head_dim)} registers a thread for a [64, {t}] score and a"
-                f" [64, {head_dim}] output tile (> {REGISTER_BUDGET}): fewer keys a stage")
-    need = smem_bytes(t, head_dim, stages, jnp.dtype(dtype).itemsize)
-    if need > SMEM_BUDGET_BYTES:
-        return f"{need} bytes of SMEM (> {SMEM_BUDGET_BYTES}): fewer stages or pages a block"
-    return None
-
-
-def default_stages(block_tokens: int, head_dim: int, itemsize: int = 2) -> int:
-    """The ring's depth: :data:`DEFAULT_STAGES`, or fewer (not under 2) where SMEM is short
-    (page 128 at head_dim 128: 2 stages of 128 keys)."""
-    fits = [n for n in range(2, DEFAULT_STAGES + 1)
-            if smem_bytes(block_tokens, head_dim, n, itemsize) <= SMEM_BUDGET_BYTES]
-    return max(fits, default=2)
-
-
-def default_pages_per_block(page_size: int) -> int:
-    """Pages of a stage: 64 keys, or one page when a page is longer."""
-    return max(1, ROWS // page_size)
 
 
 # ---------------------------------------------------------------- layer 3: public wrapper

@@ -19,7 +19,7 @@ import pytest
 from test_pallas_kernels import (INTERPRET, Case, assert_rows_close, edge_lengths, make_pool,
                                  ready)
 
-from pallas_kernels import _interpret, decode_mma
+from pallas_kernels import _interpret, mma_budget
 from pallas_kernels.decode_mma import paged_decode_attention_mma
 from pallas_kernels.reference import paged_decode_attention_reference
 from paxkv.cache import paged as paged_cache
@@ -174,12 +174,12 @@ def test_the_gpu_branch_runs_both_contractions_on_wgmma_with_k_read_transposed()
 def test_smem_and_register_budgets():
     """One program's SMEM: the K/V ring, Q and P in bf16, the float32 output and stats; the
     float32 score and output tiles' registers per thread of the warpgroup."""
-    assert decode_mma.smem_bytes(64, 128, 3) == (2 * 3 * 64 * 128 * 2 + 64 * (128 + 64) * 2
+    assert mma_budget.smem_bytes(64, 128, 3) == (2 * 3 * 64 * 128 * 2 + 64 * (128 + 64) * 2
                                                  + 64 * 130 * 4)
-    assert decode_mma.tile_registers(64, 128) == 96  # 64 x (64 + 128) floats / 128 threads
-    assert decode_mma.default_stages(64, 128) == 3
-    assert decode_mma.default_stages(128, 128) == 2  # 3 stages of 128 keys do not fit
-    refuse = decode_mma.mma_refusal
+    assert mma_budget.tile_registers(64, 128) == 96  # 64 x (64 + 128) floats / 128 threads
+    assert mma_budget.default_stages(64, 128) == 3
+    assert mma_budget.default_stages(128, 128) == 2  # 3 stages of 128 keys do not fit
+    refuse = mma_budget.mma_refusal
     assert refuse(jnp.bfloat16, 16, 128, 4, 3) is None
     assert "SMEM" in refuse(jnp.bfloat16, 128, 128, 1, 3)
     assert "registers" in refuse(jnp.bfloat16, 16, 128, 16, 2)  # [64, 256] scores

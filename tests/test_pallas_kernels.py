@@ -684,7 +684,7 @@ def test_auto_takes_the_kernels_on_a_gpu_exactly_where_they_accept_the_pages():
         assert paged_cache.resolve_impl("pallas", dtype, backend="cpu", **geometry) == "pallas"
     accepted = [g for g in geometries if _kernels_accept(*g)]
     assert 4 <= len(accepted) < len(geometries)  # the grid has both answers
-    with pytest.raises(ValueError, match="'auto', 'pallas' or 'xla'"):
+    with pytest.raises(ValueError, match="'auto', 'pallas', 'pallas_mma' or 'xla'"):
         paged_cache.resolve_impl("triton", jnp.float32, page_size=16, head_dim=64)
 
 

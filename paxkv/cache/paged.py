@@ -252,10 +252,10 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
     interpret = jax.default_backend() != "gpu"
     lengths = jnp.where(step.query_lengths > 0, step.lengths, 0)
     if q.shape[1] == 1 and mma and _mma_serves(pool, scores):
-        return pallas_kernels.paged_decode_attention_mma(
-            q[:, 0], pool.k, pool.v, block_tables, lengths, layer=layer,
+        return pallas_kernels.paged_decode_attention_mma(  # 16-bit operands, as the pages
+            q[:, 0].astype(pool.k.dtype), pool.k, pool.v, block_tables, lengths, layer=layer,
             sm_scale=scores["sm_scale"], logit_soft_cap=scores["logit_soft_cap"],
-            interpret=interpret)[:, None]
+            interpret=interpret)[:, None].astype(q.dtype)
     if q.shape[1] == 1:
         return pallas_kernels.paged_decode_attention(
             q[:, 0], pool.k, pool.v, block_tables, lengths, scales=pool.scales, layer=layer,
@@ -268,12 +268,12 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
 def _mma_serves(pool: kv_pool.KVPool, scores: dict) -> bool:
     """Whether the tensor-core decode kernel takes this pool and layer (its refusal names why
     not: float32 or 8-bit pages, a sliding window, a geometry it cannot tile)."""
-    from pallas_kernels import decode_mma  # noqa: PLC0415
+    from pallas_kernels import mma_budget  # noqa: PLC0415 - arithmetic only
 
     page_size, head_dim = pool.k.shape[-2:]
-    ppb = decode_mma.default_pages_per_block(page_size)
-    stages = decode_mma.default_stages(ppb * page_size, head_dim, pool.k.dtype.itemsize)
-    return decode_mma.mma_refusal(pool.k.dtype, page_size, head_dim, ppb, stages,
+    ppb = mma_budget.default_pages_per_block(page_size)
+    stages = mma_budget.default_stages(ppb * page_size, head_dim, pool.k.dtype.itemsize)
+    return mma_budget.mma_refusal(pool.k.dtype, page_size, head_dim, ppb, stages,
                                   window=scores["window"], scales=pool.scales) is None
 
 
