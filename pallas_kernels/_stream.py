@@ -154,3 +154,25 @@ def zero_rows(lay, acc_ref, lo, hi, head_dim: int) -> None:
     @pl.loop(lo, hi)
     def _zero(r):
         acc_ref[r] = lay.cast(jnp.zeros((head_dim,), jnp.float32), lay.col)
+
+
+# ---------------------------------------------------------------- tensor cores (WGMMA)
+
+
+def keys_for_scores(k_stage, kt_smem, interpret: bool):
+    """The ``[D, T]`` right operand of ``Q @ K^T`` for stage ``k_stage`` ``[T, D]``: a
+    transposed view on the GPU; interpreted (jax 0.10.2 runs no WGMMA on a transposed view),
+    a transposed copy written to ``kt_smem`` first."""
+    if not interpret:
+        return plgpu.transpose_ref(k_stage, (1, 0))
+    kt_smem[...] = k_stage[...].T
+    plgpu.commit_smem()
+    return kt_smem
+
+
+def mma(a, b, shape):
+    """``a @ b`` on WGMMA into a fresh float32 accumulator of ``shape`` (registers)."""
+    def run(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))

@@ -14,8 +14,13 @@ H200's ridge of ~200, so the padding costs tensor-core time nobody waits for) an
               online softmax along rows, base 2 with the scale folded in
               P -> SMEM (bf16/f16), dead rows of V -> 0
               o = o * alpha + P @ V    WGMMA  [64, T] x [T, D]
-    end:      unnormalised partials (o, max, sum) of the split, merged by the wrapper
-              (:func:`pallas_kernels.paged_decode.combine_splits`)
+    end:      one split: o / sum, the output; more: unnormalised partials (o, max, sum),
+              merged by the wrapper (:func:`pallas_kernels.paged_decode.combine_splits`)
+
+**Splits** share out each row's own blocks, ``cdiv(row_blocks, splits)`` (at least
+``min_blocks_per_split``) a split: the grid is static, the work follows the row's length, so
+in a ragged batch a long row fills every split and a short one runs on few (the rest exit at
+once), where a split of the table's width would leave a short row's work on one program.
 
 **Masking.** Keys at ``lengths[b]`` and past it are dead: their scores are ``-inf`` (chosen with
 ``where``, so NaN in a free slot's K never reaches the softmax) and their V rows are set to 0
@@ -24,7 +29,7 @@ where a block has fewer live pages; the same masks cover it.
 
 **Interpret mode.** jax 0.10.2's interpreter runs ``plgpu.wgmma`` only on plain SMEM operands,
 not on ``plgpu.transpose_ref`` (``_interpret.py``). On the GPU ``Q @ K^T`` reads the stage
-through ``transpose_ref``; interpreted, :func:`_keys_for_scores` first writes the stage's
+through ``transpose_ref``; interpreted, :func:`pallas_kernels._stream.keys_for_scores` first writes the stage's
 transpose into a ``[D, T]`` scratch and runs the same ``wgmma`` on it. Both branches lower
 for CUDA (``tests/test_decode_mma.py``), and only the GPU runs the first.
 
@@ -49,11 +54,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _interpret
-from pallas_kernels._stream import KVStream, fetch_block, read_layer
-from pallas_kernels._tiles import (TMA_SMEM_ALIGN, KVTiles, check_query, pool_operands,
-                                   validate_kv)
-from pallas_kernels.mma_budget import ROWS, default_pages_per_block, default_stages, mma_refusal
-from pallas_kernels.paged_decode import auto_num_splits, combine_splits
+from pallas_kernels._stream import KVStream, fetch_block, keys_for_scores, mma, read_layer
+from pallas_kernels._tiles import KVTiles, check_query, pool_operands, validate_kv
+from pallas_kernels.mma_budget import (ROWS, default_pages_per_block, default_stages,
+                                       mma_refusal, swizzled)
+from pallas_kernels.paged_decode import MIN_BLOCKS_PER_SPLIT, auto_num_splits, combine_splits
 from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
 
 LOG2E = math.log2(math.e)
@@ -67,59 +72,38 @@ class _Spec:
     group: int
     group_pad: int  # output rows written back: the group rounded up to 8
     stages: int
-    num_splits: int
-    blocks_per_split: int
+    num_splits: int  # each row's own blocks are shared out among them
+    min_blocks: int  # ... at least this many a split
     sm_scale: float
     soft_cap: float | None
     stream_only: bool
 
 
-def _swizzled(dtype, row_elems: int) -> tuple:
-    """Tiling + swizzle of an SMEM operand whose rows hold ``row_elems`` elements."""
-    swizzle = min(TMA_SMEM_ALIGN, row_elems * jnp.dtype(dtype).itemsize)
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-            plgpu.SwizzleTransform(swizzle))
-
-
 # ---------------------------------------------------------------- layer 1: kernel body
 
 
-def _keys_for_scores(k_stage, kt_smem, interpret: bool):
-    """The ``[D, T]`` right operand of ``Q @ K^T`` for stage ``k_stage`` ``[T, D]``: a
-    transposed view on the GPU; interpreted, a transposed copy in ``kt_smem`` (module
-    docstring)."""
-    if not interpret:
-        return plgpu.transpose_ref(k_stage, (1, 0))
-    kt_smem[...] = k_stage[...].T
-    plgpu.commit_smem()
-    return kt_smem
-
-
-def _mma(a, b, shape):
-    """``a @ b`` on WGMMA into a fresh float32 accumulator of ``shape`` (registers)."""
-    def run(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
-def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, acc_out, stats_out, *, q_smem, k_smem,
-            v_smem, kt_smem, p_smem, o_smem, stats_smem, q_bar, kv_bars, spec: _Spec,
-            lay: _interpret.Layouts):
+def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_smem, kt_smem,
+            p_smem, o_smem, stats_smem, q_bar, kv_bars, spec: _Spec, lay: _interpret.Layouts):
     # q_ref:     [batch, kv_heads, 64, head_dim] GMEM (the group, zero rows below it)
     # kv_refs:   (k, v) [layers, num_pages, kv_heads, page_size, head_dim] GMEM
     # ints_ref:  int32 [1] (layer); bt_ref int32 [batch, max_pages]; len_ref int32 [batch]
-    # acc_out:   f32 [batch, kv_heads, splits, group_pad, head_dim]  unnormalised partials
-    # stats_out: f32 [batch, kv_heads, splits, 2, 64]                (max, sum) per row, base e
+    # outs, one split:  out [batch, kv_heads, group_pad, head_dim] in q's dtype, normalised
+    #       splits > 1: acc f32 [batch, kv_heads, splits, group_pad, head_dim] unnormalised,
+    #                   stats f32 [batch, kv_heads, splits, 2, 64] (max, sum) per row, base e
     # k_smem, v_smem: [stages, T, head_dim]; kt_smem [head_dim, T] (interpret only) or None
-    # p_smem: [64, T] (probabilities, the pages' dtype); o_smem f32 [64, head_dim]
+    # p_smem: [64, T] (probabilities, the pages' dtype); o_smem [64, head_dim], f32 or (one
+    # split) the output's dtype; stats_smem f32 [2, 64] (splits > 1)
     tiles = spec.tiles
     t, d = tiles.block_tokens, tiles.head_dim
     b, h, split = lax.axis_index("b"), lax.axis_index("kvh"), lax.axis_index("split")
     length = jnp.clip(len_ref[b], 0, tiles.max_pages * tiles.page_size)
     live_pages = pl.cdiv(length, tiles.page_size)
-    start = split * spec.blocks_per_split
-    n_blocks = jnp.clip(pl.cdiv(length, t) - start, 0, spec.blocks_per_split)
+    # The row's own blocks, shared evenly by the splits (at least spec.min_blocks each): a
+    # short row of a ragged batch runs on fewer splits, a long one on all of them.
+    row_blocks = pl.cdiv(length, t)
+    per_split = jnp.maximum(pl.cdiv(row_blocks, spec.num_splits), spec.min_blocks)
+    start = split * per_split
+    n_blocks = jnp.clip(row_blocks - start, 0, per_split)
     layer = read_layer(tiles, ints_ref)
     st = KVStream(kv_refs[0], kv_refs[1], None, bt_ref, k_smem, v_smem, None, kv_bars)
 
@@ -148,7 +132,7 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, acc_out, stats_out, *, q_
             return carry
         o, m, l = carry
         k_stage, v_stage = k_smem.at[slot], v_smem.at[slot]
-        s = _mma(q_smem, _keys_for_scores(k_stage, kt_smem, lay.interpret), (ROWS, t)) * scale
+        s = mma(q_smem, keys_for_scores(k_stage, kt_smem, lay.interpret), (ROWS, t)) * scale
         if spec.soft_cap:
             s = (spec.soft_cap * LOG2E) * jnp.tanh(s / spec.soft_cap)
         kpos0 = (start + j) * t
@@ -166,7 +150,7 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, acc_out, stats_out, *, q_
             v_stage[...] = jnp.where(rows < length, v_stage[...], jnp.zeros((), v_stage.dtype))
 
         plgpu.commit_smem()
-        pv = _mma(p_smem, v_stage, (ROWS, d))
+        pv = mma(p_smem, v_stage, (ROWS, d))
         return o * lax.broadcast_in_dim(alpha, (ROWS, d), [0]) + pv, m_new, l
 
     carry = () if spec.stream_only else (
@@ -174,18 +158,23 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, acc_out, stats_out, *, q_
         lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
         lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
     carry = lax.fori_loop(0, n_blocks, block, carry)
-    if spec.stream_only:
-        o_smem[...] = lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.tile)
-        stats_smem[0] = lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row)
-        stats_smem[1] = lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row)
+    if spec.stream_only:  # nothing was computed: the partials of no key
+        carry = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.tile),
+                 lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
+                 lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
+    o, m, l = carry
+    if spec.num_splits == 1:  # the whole row: normalise here, no combine
+        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)  # no key: a zero row
+        o_smem[...] = (o * lax.broadcast_in_dim(inv, (ROWS, d), [0])).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, spec.group_pad)], outs[0].at[b, h])
     else:
-        o, m, l = carry
         o_smem[...] = o
         stats_smem[0] = m * (1.0 / LOG2E)  # back to base e for combine_splits
         stats_smem[1] = l
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, spec.group_pad)], acc_out.at[b, h, split])
-    plgpu.copy_smem_to_gmem(stats_smem, stats_out.at[b, h, split])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, spec.group_pad)], outs[0].at[b, h, split])
+        plgpu.copy_smem_to_gmem(stats_smem, outs[1].at[b, h, split])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -197,19 +186,23 @@ def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str)
     t, d, dtype = tiles.block_tokens, tiles.head_dim, tiles.dtype
     interpret = _interpret.interpret_params(interpret)
     lay = _interpret.Layouts(interpret is not None)
-    out_type = (
-        jax.ShapeDtypeStruct((batch, num_kv_heads, spec.num_splits, spec.group_pad, d),
-                             jnp.float32),
-        jax.ShapeDtypeStruct((batch, num_kv_heads, spec.num_splits, 2, ROWS), jnp.float32))
-    stage = plgpu.SMEM((spec.stages, t, d), dtype, transforms=_swizzled(dtype, d))
+    if spec.num_splits == 1:
+        out_type = (jax.ShapeDtypeStruct((batch, num_kv_heads, spec.group_pad, d), dtype),)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((batch, num_kv_heads, spec.num_splits, spec.group_pad, d),
+                                 jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, spec.num_splits, 2, ROWS),
+                                 jnp.float32))
+    stage = plgpu.SMEM((spec.stages, t, d), dtype, transforms=swizzled(dtype, d))
     scratch = dict(
-        q_smem=plgpu.SMEM((ROWS, d), dtype, transforms=_swizzled(dtype, d)),
+        q_smem=plgpu.SMEM((ROWS, d), dtype, transforms=swizzled(dtype, d)),
         k_smem=stage, v_smem=stage,
-        kt_smem=plgpu.SMEM((d, t), dtype, transforms=_swizzled(dtype, t)) if lay.interpret
+        kt_smem=plgpu.SMEM((d, t), dtype, transforms=swizzled(dtype, t)) if lay.interpret
         else None,
-        p_smem=plgpu.SMEM((ROWS, t), dtype, transforms=_swizzled(dtype, t)),
-        o_smem=plgpu.SMEM((ROWS, d), jnp.float32),
-        stats_smem=plgpu.SMEM((2, ROWS), jnp.float32),
+        p_smem=plgpu.SMEM((ROWS, t), dtype, transforms=swizzled(dtype, t)),
+        o_smem=plgpu.SMEM((ROWS, d), dtype if spec.num_splits == 1 else jnp.float32),
+        stats_smem=plgpu.SMEM((2, ROWS), jnp.float32) if spec.num_splits > 1 else None,
         q_bar=plgpu.Barrier(num_barriers=1),
         kv_bars=plgpu.Barrier(num_arrivals=tiles.copies_per_page * tiles.pages_per_block,
                               num_barriers=spec.stages))
@@ -228,14 +221,15 @@ def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "logit_soft_cap", "pages_per_block", "stages", "num_splits", "stream_only",
-    "semantics", "interpret"))
+    "sm_scale", "logit_soft_cap", "pages_per_block", "stages", "num_splits",
+    "min_blocks_per_split", "stream_only", "semantics", "interpret"))
 def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                block_tables: jax.Array, lengths: jax.Array, *,
                                layer: jax.Array | None = None, sm_scale: float | None = None,
                                logit_soft_cap: float | None = None,
                                pages_per_block: int | None = None,
                                stages: int | None = None, num_splits: int | None = None,
+                               min_blocks_per_split: int = MIN_BLOCKS_PER_SPLIT,
                                stream_only: bool = False, semantics: str = "lane",
                                interpret: _interpret.Interpret = False) -> jax.Array:
     """:func:`pallas_kernels.paged_decode_attention` on tensor cores (module docstring).
@@ -251,7 +245,10 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
       pages_per_block: pages a stage (default: 64 keys); stages: the ring's depth, 2-4
         (default: :func:`default_stages`).
       num_splits: context splits per sequence (default: :func:`~pallas_kernels.paged_decode.
-        auto_num_splits`); stream_only: copy and wait only (returns zeros).
+        auto_num_splits`). Each row's own blocks are shared evenly among them, at least
+        ``min_blocks_per_split`` a split, so a short row of a ragged batch runs on fewer.
+        One split writes the normalised output itself (no combine).
+      stream_only: copy and wait only (returns zeros).
       semantics: Mosaic GPU's lowering, ``"lane"`` (jax 0.10's default) or ``"warpgroup"``.
       interpret: ``True`` (or ``InterpretGPUParams``) runs the kernel on CPU.
 
@@ -281,14 +278,18 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                          f" {lengths.shape} must lead with batch={batch}")
     total_blocks = pl.cdiv(tiles.max_pages, ppb)
     splits = num_splits or auto_num_splits(batch, num_kv_heads, total_blocks)
-    bps = pl.cdiv(total_blocks, splits)
-    spec = _Spec(tiles, group, pl.cdiv(group, 8) * 8, stages, pl.cdiv(total_blocks, bps), bps,
+    if min_blocks_per_split < 1:
+        raise ValueError(f"min_blocks_per_split={min_blocks_per_split}: use 1 or more")
+    spec = _Spec(tiles, group, pl.cdiv(group, 8) * 8, stages, splits, min_blocks_per_split,
                  default_sm_scale(head_dim, sm_scale), logit_soft_cap, stream_only)
     q_rows = jnp.zeros((batch, num_kv_heads, ROWS, head_dim), q.dtype)
     q_rows = q_rows.at[:, :, :group].set(q.reshape(batch, num_kv_heads, group, head_dim))
-    acc, stats = _call(spec, batch, num_kv_heads, interpret, semantics)(
+    outs = _call(spec, batch, num_kv_heads, interpret, semantics)(
         q_rows, kv, ints, block_tables, lengths.astype(jnp.int32))
-    out = combine_splits(acc[:, :, :, :group], stats, group)
+    if splits == 1:
+        out = outs[0][:, :, :group]
+    else:
+        out = combine_splits(outs[0][:, :, :, :group], outs[1], group)
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 

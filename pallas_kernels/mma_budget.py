@@ -1,14 +1,15 @@
 """What the tensor-core decode kernel (:mod:`pallas_kernels.decode_mma`) can tile: its SMEM
-and register budgets, its defaults, and why it refuses a geometry (then the CUDA-core kernel,
+and register budgets, its defaults and operand layout, and why it refuses a geometry (then the CUDA-core kernel,
 :mod:`pallas_kernels.paged_decode`, serves it). Plain arithmetic, so a cache made with
 ``attention_impl="pallas_mma"`` can ask without building a kernel.
 """
 
 from __future__ import annotations
 
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels._tiles import SMEM_BUDGET_BYTES
+from pallas_kernels._tiles import SMEM_BUDGET_BYTES, TMA_SMEM_ALIGN
 
 ROWS = 64  # query rows of one WGMMA: the GQA group, zero-padded
 MMA_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -67,3 +68,10 @@ def default_stages(block_tokens: int, head_dim: int, itemsize: int = 2) -> int:
 def default_pages_per_block(page_size: int) -> int:
     """Pages of a stage: 64 keys, or one page when a page is longer."""
     return max(1, ROWS // page_size)
+
+
+def swizzled(dtype, row_elems: int) -> tuple:
+    """Tiling + swizzle of an SMEM operand whose rows hold ``row_elems`` elements."""
+    swizzle = min(TMA_SMEM_ALIGN, row_elems * jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))

@@ -35,11 +35,14 @@ def _fresh_interpreter():
 CASES = [
     # group 1, 64-key pages, one split: the normalised path of a single split
     Case(1, 128, "bfloat16", page_size=64, kwargs=(("num_splits", 1), ("sm_scale", 0.3))),
-    # two kv heads, 3 splits (some empty for short rows), poisoned == clean bit for bit
-    Case(2, 64, "bfloat16", num_kv_heads=2, kwargs=(("num_splits", 3),), clean_run=True),
+    # two kv heads, 3 splits sharing each row's blocks (the 4-block row: 2 + 2 + an empty
+    # split; short rows: one), poisoned == clean bit for bit
+    Case(2, 64, "bfloat16", num_kv_heads=2, kwargs=(("num_splits", 3),
+                                                    ("min_blocks_per_split", 1)),
+         clean_run=True),
     # float16, 32-key pages, soft-capped scores, a 2-stage ring
     Case(4, 64, "float16", page_size=32, kwargs=(("num_splits", 2), ("logit_soft_cap", 4.0),
-                                                 ("stages", 2))),
+                                                 ("stages", 2), ("min_blocks_per_split", 1))),
     # group 8, 128-key stages of 8 pages, a 4-deep ring... at head_dim 64 (SMEM allows it)
     Case(8, 64, "bfloat16", kwargs=(("pages_per_block", 8), ("stages", 4))),
     # one page a stage (page 128, head_dim 128: 2 stages by default), automatic splits
@@ -77,7 +80,8 @@ def test_mma_decode_reads_its_layer_of_the_pool():
     q = jax.random.normal(jax.random.key(3), (3, 4, 64), jnp.bfloat16)
     pool = [jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])
             for x in poisoned]
-    out = _run(q, pool, table, lengths, layer=jnp.int32(1), num_splits=2)
+    out = _run(q, pool, table, lengths, layer=jnp.int32(1), num_splits=2,
+               min_blocks_per_split=1)
     ref = paged_decode_attention_reference(q, *clean, table, lengths)
     assert_rows_close(out, ref, "bfloat16", row_axes=(0, 1))
 
@@ -135,9 +139,10 @@ def test_lowers_for_cuda_under_both_semantics(name, semantics):
     assert kind in lowered.as_text(debug_info=True), "name= carries the kernel and its tiles"
 
 
-def _kernel_eqns(interpret: bool) -> list:
+def _kernel_eqns(interpret: bool, **kw) -> list:
     """Every equation of the kernel body (nested jaxprs included)."""
-    jaxpr = jax.make_jaxpr(lambda *a: paged_decode_attention_mma(*a, interpret=interpret))(
+    jaxpr = jax.make_jaxpr(lambda *a: paged_decode_attention_mma(*a, interpret=interpret,
+                                                                 **kw))(
         *_shapes(jnp.bfloat16, 4, 64, 16))
 
     def walk(j, out):
@@ -156,7 +161,7 @@ def _kernel_eqns(interpret: bool) -> list:
 def test_the_gpu_branch_runs_both_contractions_on_wgmma_with_k_read_transposed():
     """Per block: two WGMMAs, ``Q @ K^T`` reading the stage through a transposed view and
     ``P @ V`` the stage as it is; no transpose is computed. Interpreted, the only change is
-    K's transpose written to a scratch first (:func:`decode_mma._keys_for_scores`)."""
+    K's transpose written to a scratch first (:func:`pallas_kernels._stream.keys_for_scores`)."""
     gpu = _kernel_eqns(False)
     mma = [e for e in gpu if e.primitive.name == "wgmma_ref"]
     assert len(mma) == 2
@@ -166,6 +171,22 @@ def test_the_gpu_branch_runs_both_contractions_on_wgmma_with_k_read_transposed()
     assert names["transpose"] == 0
     cpu = collections.Counter(e.primitive.name for e in _kernel_eqns(True))
     assert cpu["wgmma_ref"] == 2 and cpu["transpose"] == 1
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_one_split_writes_the_normalised_output_itself(splits):
+    """One split: the kernel's one output is ``[b, kv_heads, group_pad, d]`` in q's dtype
+    (no partials, no combine); more: float32 partials and their statistics."""
+    eqns = _kernel_eqns(False, num_splits=splits)
+    call = next(e for e in eqns if e.primitive.name in ("pallas_call", "mpmd_map"))
+    outs = [(v.aval.shape, v.aval.dtype) for v in call.outvars]
+    stores = sum(e.primitive.name == "copy_smem_to_gmem" for e in eqns)
+    assert stores == (1 if splits == 1 else 2)
+    if splits == 1:
+        assert outs == [((4, 2, 8, 64), jnp.dtype(jnp.bfloat16))]
+    else:
+        assert outs == [((4, 2, 4, 8, 64), jnp.dtype(jnp.float32)),
+                        ((4, 2, 4, 2, 64), jnp.dtype(jnp.float32))]
 
 
 # ---------------------------------------------------------------- budgets and refusals
