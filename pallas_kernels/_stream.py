@@ -176,3 +176,53 @@ def mma(a, b, shape):
         plgpu.wgmma(acc, a, b)
         return acc[...]
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+LOG2E = 1.4426950408889634  # log2(e): scores move to base 2, exp2 is the hardware's
+
+
+def mma_state(lay: _interpret.Layouts, rows: int, head_dim: int):
+    """The online softmax's start for ``rows`` query rows: output 0, max -inf, sum 0."""
+    return (lay.cast(jnp.zeros((rows, head_dim), jnp.float32), lay.tile),
+            lay.cast(jnp.full((rows,), -jnp.inf, jnp.float32), lay.row),
+            lay.cast(jnp.zeros((rows,), jnp.float32), lay.row))
+
+
+def mma_block(lay: _interpret.Layouts, state, q_smem, k_stage, v_stage, kt_smem, p_smem,
+              visible, kpos0, length, *, scale: float, soft_cap: float | None):
+    """One stage's online-softmax step on tensor cores -> the new ``(o, max, sum)``.
+
+    q_smem ``[R, D]``; k_stage, v_stage ``[T, D]`` (the stage's keys at ``kpos0 ...``);
+    ``visible`` bool ``[R, T]``: which key each row sees; ``length``: keys at it and past it
+    are dead, and their V rows are set to 0 in SMEM first (``0 * NaN`` is NaN in a tensor
+    core too). ``scale``: ``sm_scale * log2(e)`` (or ``sm_scale`` with a ``soft_cap``, applied
+    here); the max is kept in base 2. A row that has seen no key keeps max -inf, sum 0."""
+    o, m, l = state
+    rows, t = visible.shape
+    d = v_stage.shape[-1]
+    s = mma(q_smem, keys_for_scores(k_stage, kt_smem, lay.interpret), (rows, t)) * scale
+    if soft_cap:
+        s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key yet: exp2(-inf) = 0, not NaN
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, (rows, t), [0]))
+    l = l * alpha + jnp.sum(p, axis=1)
+    p_smem[...] = p.astype(p_smem.dtype)
+
+    @pl.when(kpos0 + t > length)  # the last live block: dead V rows -> 0
+    def _zero_dead():
+        keys = lay.iota((t, d), 0, lay.tile) + kpos0
+        v_stage[...] = jnp.where(keys < length, v_stage[...], jnp.zeros((), v_stage.dtype))
+
+    plgpu.commit_smem()
+    pv = mma(p_smem, v_stage, (rows, d))
+    return o * lax.broadcast_in_dim(alpha, (rows, d), [0]) + pv, m_new, l
+
+
+def mma_normalised(state, dtype):
+    """``o / sum`` per row in ``dtype``; a row that saw no key is 0."""
+    o, _, l = state
+    inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    return (o * lax.broadcast_in_dim(inv, o.shape, [0])).astype(dtype)

@@ -29,9 +29,11 @@ where a block has fewer live pages; the same masks cover it.
 
 **Interpret mode.** jax 0.10.2's interpreter runs ``plgpu.wgmma`` only on plain SMEM operands,
 not on ``plgpu.transpose_ref`` (``_interpret.py``). On the GPU ``Q @ K^T`` reads the stage
-through ``transpose_ref``; interpreted, :func:`pallas_kernels._stream.keys_for_scores` first writes the stage's
-transpose into a ``[D, T]`` scratch and runs the same ``wgmma`` on it. Both branches lower
-for CUDA (``tests/test_decode_mma.py``), and only the GPU runs the first.
+through ``transpose_ref``; interpreted, :func:`pallas_kernels._stream.keys_for_scores` first
+writes the stage's transpose into a ``[D, T]`` scratch and runs the same ``wgmma`` on it.
+Both branches lower for CUDA (``tests/test_decode_mma.py``); only the GPU runs the first.
+The per-stage step (:func:`pallas_kernels._stream.mma_block`) is the prefill kernel's too
+(:mod:`pallas_kernels.prefill_mma`).
 
 **Stream only** (``stream_only=True``): the same copies, stages and barriers, a consumer that
 waits for each stage and computes nothing. Its bandwidth on a GPU is the ceiling of one copy
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -54,14 +55,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _interpret
-from pallas_kernels._stream import KVStream, fetch_block, keys_for_scores, mma, read_layer
+from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
+                                    mma_state, read_layer)
 from pallas_kernels._tiles import KVTiles, check_query, pool_operands, validate_kv
 from pallas_kernels.mma_budget import (ROWS, default_pages_per_block, default_stages,
                                        mma_refusal, swizzled)
 from pallas_kernels.paged_decode import MIN_BLOCKS_PER_SPLIT, auto_num_splits, combine_splits
 from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
 
-LOG2E = math.log2(math.e)
 SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane,
              "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
@@ -130,42 +131,17 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_
         plgpu.barrier_wait(kv_bars.at[slot])
         if spec.stream_only:
             return carry
-        o, m, l = carry
-        k_stage, v_stage = k_smem.at[slot], v_smem.at[slot]
-        s = mma(q_smem, keys_for_scores(k_stage, kt_smem, lay.interpret), (ROWS, t)) * scale
-        if spec.soft_cap:
-            s = (spec.soft_cap * LOG2E) * jnp.tanh(s / spec.soft_cap)
         kpos0 = (start + j) * t
-        kpos = lay.iota((ROWS, t), 1, lay.tile) + kpos0
-        s = jnp.where(kpos < length, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: every block holds a live key
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (ROWS, t), [0]))
-        l = l * alpha + jnp.sum(p, axis=1)
-        p_smem[...] = p.astype(p_smem.dtype)
+        visible = lay.iota((ROWS, t), 1, lay.tile) + kpos0 < length
+        return mma_block(lay, carry, q_smem, k_smem.at[slot], v_smem.at[slot], kt_smem, p_smem,
+                         visible, kpos0, length, scale=scale, soft_cap=spec.soft_cap)
 
-        @pl.when(kpos0 + t > length)  # the last block: dead V rows -> 0 (not 0 * NaN)
-        def _zero_dead():
-            rows = lay.iota((t, d), 0, lay.tile) + kpos0
-            v_stage[...] = jnp.where(rows < length, v_stage[...], jnp.zeros((), v_stage.dtype))
-
-        plgpu.commit_smem()
-        pv = mma(p_smem, v_stage, (ROWS, d))
-        return o * lax.broadcast_in_dim(alpha, (ROWS, d), [0]) + pv, m_new, l
-
-    carry = () if spec.stream_only else (
-        lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.tile),
-        lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
-        lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
-    carry = lax.fori_loop(0, n_blocks, block, carry)
+    carry = lax.fori_loop(0, n_blocks, block, () if spec.stream_only else mma_state(lay, ROWS, d))
     if spec.stream_only:  # nothing was computed: the partials of no key
-        carry = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.tile),
-                 lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
-                 lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
+        carry = mma_state(lay, ROWS, d)
     o, m, l = carry
     if spec.num_splits == 1:  # the whole row: normalise here, no combine
-        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)  # no key: a zero row
-        o_smem[...] = (o * lax.broadcast_in_dim(inv, (ROWS, d), [0])).astype(o_smem.dtype)
+        o_smem[...] = mma_normalised(carry, o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, spec.group_pad)], outs[0].at[b, h])
     else:

@@ -1,7 +1,8 @@
-"""What the tensor-core decode kernel (:mod:`pallas_kernels.decode_mma`) can tile: its SMEM
-and register budgets, its defaults and operand layout, and why it refuses a geometry (then the CUDA-core kernel,
-:mod:`pallas_kernels.paged_decode`, serves it). Plain arithmetic, so a cache made with
-``attention_impl="pallas_mma"`` can ask without building a kernel.
+"""What the tensor-core kernels (:mod:`pallas_kernels.decode_mma`,
+:mod:`pallas_kernels.prefill_mma`) can tile: SMEM and register budgets, defaults, operand
+layout, and why they refuse a geometry (then the CUDA-core kernels serve it). Plain
+arithmetic, so a cache made with ``attention_impl="pallas_mma"`` can ask without building a
+kernel.
 """
 
 from __future__ import annotations
