@@ -6,14 +6,16 @@ a whole ``[num_layers, num_pages, ...]`` pool with ``layer=``, read inside the k
 layer is sliced (copied) out of it. The attention functions take an optional sliding
 ``window=`` (an int32 scalar, may be traced: each query sees its last ``window`` keys). The
 kernels run on Hopper-class GPUs, or on CPU with ``interpret=True`` (slow; for tests).
-``paged_decode_attention_mma`` is decode with both contractions on tensor cores (WGMMA) for
-bfloat16 / float16 pages; it is not yet the caches' default (it waits for a GPU measurement).
+``paged_decode_attention_mma`` / ``paged_prefill_attention_mma`` run both contractions on
+tensor cores (WGMMA) for bfloat16 / float16 pages; they are not yet the caches' default (they
+wait for a GPU measurement).
 """
 
 from pallas_kernels.decode_mma import paged_decode_attention_mma
 from pallas_kernels.kv_write import copy_pages, copy_pages_reference, write_kv, write_kv_reference
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.paged_prefill import paged_prefill_attention
+from pallas_kernels.prefill_mma import paged_prefill_attention_mma
 from pallas_kernels.reference import (dense_attention_reference, paged_decode_attention_reference,
                                       paged_prefill_attention_reference)
 
@@ -25,6 +27,7 @@ __all__ = [
     "paged_decode_attention_mma",
     "paged_decode_attention_reference",
     "paged_prefill_attention",
+    "paged_prefill_attention_mma",
     "paged_prefill_attention_reference",
     "write_kv",
     "write_kv_reference",

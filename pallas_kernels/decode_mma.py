@@ -31,7 +31,7 @@ where a block has fewer live pages; the same masks cover it.
 not on ``plgpu.transpose_ref`` (``_interpret.py``). On the GPU ``Q @ K^T`` reads the stage
 through ``transpose_ref``; interpreted, :func:`pallas_kernels._stream.keys_for_scores` first
 writes the stage's transpose into a ``[D, T]`` scratch and runs the same ``wgmma`` on it.
-Both branches lower for CUDA (``tests/test_decode_mma.py``); only the GPU runs the first.
+Both branches lower for CUDA (``tests/test_mma_kernels.py``); only the GPU runs the first.
 The per-stage step (:func:`pallas_kernels._stream.mma_block`) is the prefill kernel's too
 (:mod:`pallas_kernels.prefill_mma`).
 

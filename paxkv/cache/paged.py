@@ -63,7 +63,7 @@ class PagedCache:
       pool: the K/V pages of every layer.
       table: block tables, lengths, ref counts.
       scrub: zero pages when they are handed out (static).
-      impl: "xla", "pallas" or "pallas_mma" (decode on tensor cores where it serves the
+      impl: "xla", "pallas" or "pallas_mma" (the kernels on tensor cores where they serve the
         pages): how :meth:`attend` reads the pages (static).
       layer_windows: each layer's sliding window (None: global), or None when no layer slides
         (static; :func:`paxkv.attention.blocks.layer_window`): a window layer's queries read
@@ -243,9 +243,9 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
     ``pool.k[layer]`` here would be a dynamic slice that XLA materialises to feed the custom
     call, a copy of one layer's K/V per layer per step. Rows that do not attend this step get
     length 0, so a kernel never walks a table past the window it was given. 8-bit pools hand
-    their scales along; the kernels dequantise after the load. ``mma``: decode on tensor
-    cores (:mod:`pallas_kernels.decode_mma`) where it serves the pages (bf16 / f16, no
-    sliding window), the CUDA-core kernel elsewhere.
+    their scales along; the kernels dequantise after the load. ``mma``: decode and prefill on
+    tensor cores (:mod:`pallas_kernels.decode_mma`, :mod:`pallas_kernels.prefill_mma`) where
+    they serve the pages (bf16 / f16, no sliding window), the CUDA-core kernels elsewhere.
     """
     import pallas_kernels  # noqa: PLC0415
 
@@ -260,13 +260,18 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
         return pallas_kernels.paged_decode_attention(
             q[:, 0], pool.k, pool.v, block_tables, lengths, scales=pool.scales, layer=layer,
             interpret=interpret, **scores)[:, None]
+    if mma and _mma_serves(pool, scores):
+        return pallas_kernels.paged_prefill_attention_mma(
+            q.astype(pool.k.dtype), pool.k, pool.v, block_tables, lengths, step.query_lengths,
+            layer=layer, sm_scale=scores["sm_scale"], logit_soft_cap=scores["logit_soft_cap"],
+            interpret=interpret).astype(q.dtype)
     return pallas_kernels.paged_prefill_attention(
         q, pool.k, pool.v, block_tables, lengths, step.query_lengths, scales=pool.scales,
         layer=layer, interpret=interpret, **scores)
 
 
 def _mma_serves(pool: kv_pool.KVPool, scores: dict) -> bool:
-    """Whether the tensor-core decode kernel takes this pool and layer (its refusal names why
+    """Whether the tensor-core kernels take this pool and layer (their refusal names why
     not: float32 or 8-bit pages, a sliding window, a geometry it cannot tile)."""
     from pallas_kernels import mma_budget  # noqa: PLC0415 - arithmetic only
 

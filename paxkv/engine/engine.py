@@ -57,7 +57,7 @@ class Engine:
         ``max_seqs * ceil(max_len / page_size)``.
       kv_dtype: K/V dtype (``jnp.bfloat16``: half the bytes; stored as bits on a CPU).
       attention_impl: "auto" (Pallas on a GPU for pages the kernels accept, else XLA),
-        "pallas", "pallas_mma" (decode on tensor cores where it serves the pages) or "xla".
+        "pallas", "pallas_mma" (the kernels on tensor cores where they serve the pages) or "xla".
       prefill_chunk: longest prompt chunk per prefill call; prefill_tokens: batch x chunk budget.
       prefix_cache: reuse cached full pages across requests (default: on for a paged cache;
         on a model with window layers each window group keeps the window pages of cached

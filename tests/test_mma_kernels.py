@@ -1,8 +1,9 @@
-"""The tensor-core decode kernel (:mod:`pallas_kernels.decode_mma`) against the jnp oracle in
-interpret mode, its CUDA lowering under both Mosaic GPU semantics, the shape of its GPU
-branch, and its SMEM / register arithmetic.
+"""The tensor-core kernels (:mod:`pallas_kernels.decode_mma`, :mod:`pallas_kernels.prefill_mma`)
+against the jnp oracle in interpret mode, their CUDA lowering under both Mosaic GPU semantics,
+the shape of the GPU branch, the SMEM / register arithmetic, and the paged cache's
+``attention_impl="pallas_mma"``.
 
-On a GPU the same tests compile and run it for real (``INTERPRET`` is False there). Each case
+On a GPU the same tests compile and run them for real (``INTERPRET`` is False there). Each case
 packs the length edge cases (0, 1, page - 1, page, page + 1, long; two rows sharing a page)
 into one batch on a NaN-poisoned pool: every slot no row may read is NaN.
 """
@@ -21,7 +22,9 @@ from test_pallas_kernels import (INTERPRET, Case, assert_rows_close, edge_length
 
 from pallas_kernels import _interpret, mma_budget
 from pallas_kernels.decode_mma import paged_decode_attention_mma
-from pallas_kernels.reference import paged_decode_attention_reference
+from pallas_kernels.prefill_mma import paged_prefill_attention_mma
+from pallas_kernels.reference import (paged_decode_attention_reference,
+                                      paged_prefill_attention_reference)
 from paxkv.cache import paged as paged_cache
 from paxkv.core.step_info import StepInfo
 
@@ -106,6 +109,50 @@ def test_the_ring_has_no_races_and_every_stage_is_awaited(stream_only):
         assert_rows_close(out, ref, "bfloat16", row_axes=(0, 1))
 
 
+PREFILL_CASES = [
+    # group 3 (SmolLM2's): 21 query tokens a program, one zero row; 16-key pages
+    Case(3, 64, "bfloat16", num_kv_heads=2),
+    # group 8 at head_dim 128, one 64-key page a stage
+    Case(8, 128, "bfloat16", page_size=64),
+    # group 1: 64 query tokens a program; float16, soft cap, a 2-stage ring
+    Case(1, 64, "float16", page_size=32, kwargs=(("logit_soft_cap", 4.0), ("stages", 2))),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
+def test_mma_prefill_matches_reference_on_poisoned_pages(case):
+    """(context, new tokens): empty, a first token, a whole prompt, chunks after a cached
+    prefix (one crossing a page), 70 queries after 127 cached keys (several query blocks)."""
+    s = case.page_size
+    clean, poisoned, table, lengths = make_pool(0, case, [0, 1, s - 1, s, s + 9, 3 * 64 + 5])
+    query_lengths = jnp.array([0, 1, s - 1, 5, 9, 70], jnp.int32)
+    q = jax.random.normal(jax.random.key(1), (6, 70, case.num_kv_heads * case.group,
+                                              case.head_dim), case.dtype)
+    kw = dict(case.kwargs)
+    out = ready(paged_prefill_attention_mma(q, *poisoned, table, lengths, query_lengths,
+                                            interpret=INTERPRET, **kw))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for b, n in enumerate(np.asarray(query_lengths)):
+        assert not np.asarray(out[b, n:], np.float32).any(), "padding queries must be zero"
+    ref_kw = {k: v for k, v in kw.items() if k == "logit_soft_cap"}
+    ref = paged_prefill_attention_reference(q, *clean, table, lengths, query_lengths, **ref_kw)
+    assert_rows_close(out, ref, case.dtype, row_axes=(0, 1, 2))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the race detector is the CPU interpreter's")
+def test_the_prefill_ring_has_no_races():
+    case = Case(4, 64, "bfloat16")
+    clean, _, table, lengths = make_pool(4, case, [300, 70])
+    q = jax.random.normal(jax.random.key(5), (2, 40, 4, 64), jnp.bfloat16)
+    query_lengths = jnp.array([40, 3], jnp.int32)
+    params = _interpret.InterpretGPUParams(detect_races=True)
+    out = ready(paged_prefill_attention_mma(q, *clean, table, lengths, query_lengths,
+                                            stages=3, interpret=params))
+    assert not _interpret.races_found()
+    ref = paged_prefill_attention_reference(q, *clean, table, lengths, query_lengths)
+    assert_rows_close(out, ref, "bfloat16", row_axes=(0, 1, 2))
+
+
 # ---------------------------------------------------------------- lowering and structure
 
 
@@ -123,6 +170,16 @@ LOWERINGS = {
     "bf16-g2-d128-ps128": (jnp.bfloat16, 2, 128, 128, {}),
     "bf16-g8-d64-ps32-stream": (jnp.bfloat16, 8, 64, 32, dict(stream_only=True)),
 }
+
+
+@pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+@pytest.mark.parametrize("group,head_dim,page_size", [(3, 64, 16), (8, 128, 16), (1, 128, 128)])
+def test_prefill_lowers_for_cuda_under_both_semantics(group, head_dim, page_size, semantics):
+    q, k, v, table, lengths = _shapes(jnp.bfloat16, group, head_dim, page_size)
+    q = jax.ShapeDtypeStruct((q.shape[0], 100) + q.shape[1:], q.dtype)
+    fn = jax.jit(lambda *a: paged_prefill_attention_mma(*a, semantics=semantics))
+    lowered = fn.trace(q, k, v, table, lengths, lengths).lower(lowering_platforms=("cuda",))
+    assert f"paged_prefill_mma_bq{64 // group}" in lowered.as_text(debug_info=True)
 
 
 @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
@@ -254,16 +311,18 @@ def _cache_decode(impl: str, dtype) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.skipif(not INTERPRET, reason="interpret mode: the XLA twin runs on this backend")
 def test_pallas_mma_cache_decodes_what_the_xla_path_does():
-    """``attention_impl="pallas_mma"``: the cache's decode runs the tensor-core kernel over its
-    own pool (a traced layer, NaN in every free slot) and gives the XLA path's output."""
+    """``attention_impl="pallas_mma"``: the cache's prefill and decode run the tensor-core
+    kernels over its own pool (a traced layer, NaN in every free slot) and give the XLA path's
+    outputs."""
     mma, mma_pre = _cache_decode("pallas_mma", jnp.float16)
     xla, xla_pre = _cache_decode("xla", jnp.float16)
-    assert np.isfinite(mma).all()
-    assert_rows_close(mma_pre[1:, :1], xla_pre[1:, :1], "float16", row_axes=(0, 1, 2))
+    assert np.isfinite(mma).all() and np.isfinite(mma_pre).all()
+    for b, n in ((1, 17), (2, 70)):  # each row's queries (the prefill kernel's rows)
+        assert_rows_close(mma_pre[b, :n], xla_pre[b, :n], "float16", row_axes=(0, 1))
     assert_rows_close(mma[1:], xla[1:], "float16", row_axes=(0, 1, 2))
 
 
-def test_pallas_mma_cache_lowers_its_decode_to_the_tensor_core_kernel(monkeypatch):
+def test_pallas_mma_cache_lowers_decode_and_prefill_to_the_tensor_core_kernels(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # compile, bf16 as itself
     cache = paged_cache.create(num_layers=4, num_kv_heads=2, head_dim=64, num_pages=8,
                                page_size=16, max_seqs=2, max_len=64, dtype=jnp.bfloat16,
@@ -279,3 +338,14 @@ def test_pallas_mma_cache_lowers_its_decode_to_the_tensor_core_kernel(monkeypatc
         cache, q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32)).lower(
         lowering_platforms=("cuda",))
     assert "paged_decode_mma" in lowered.as_text(debug_info=True)
+    prefill = jax.ShapeDtypeStruct((2, 16, 6, 64), jnp.bfloat16)
+    kv16 = jax.ShapeDtypeStruct((2, 16, 2, 64), jnp.bfloat16)
+
+    def prefill_layer(cache, q, k, v, layer):
+        step = StepInfo.make(cache.lengths + 16, jnp.full((2,), 16, jnp.int32), 16)
+        return cache.attend(layer, q, k, v, step)
+
+    lowered = jax.jit(prefill_layer, donate_argnums=0).trace(
+        cache, prefill, kv16, kv16, jax.ShapeDtypeStruct((), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
+    assert "paged_prefill_mma" in lowered.as_text(debug_info=True)
