@@ -16,9 +16,10 @@ fraction of a measured device-to-device copy rate.
                                                # its stream-only ceiling, the CUDA-core kernel
                                                # and JAX's Triton one (issue 34's cells)
 
-``stream_*`` rows are :mod:`pallas_kernels.decode_mma` with ``stream_only=True``: the same page
-copies and ring, no arithmetic (returns zeros, so not checked): the ceiling of one copy per
-page at that page size. ``mma_*`` rows' ``frac_of_stream`` is their bandwidth over it.
+``stream`` rows are :mod:`pallas_kernels.decode_mma` with ``stream_only=True``: the same
+page copies and ring, no arithmetic (returns zeros, so not checked): the ceiling of one copy
+per page at that page size. ``mma_*`` rows' ``frac_of_stream`` is their bandwidth over it;
+``mma_*_producer`` rows have a second warpgroup issue every copy.
 
 Writes ``results/kernels.json`` (config, versions, device, git SHA, rows) and prints a table.
 """
@@ -50,7 +51,8 @@ TUNE_GRID = [(ppb, splits) for ppb in (4, 8) for splits in (1, 2, 4, 8, 16, 32)]
 MMA_SWEEP = ([(b, c, p) for p in (16, 64) for b, c in
               ((64, 32768), (16, 4096), (1, 32768), (256, 512), (32, 8192))]
              + [(32, 8192, p) for p in (32, 128)])
-MMA_GRID = [(stages, None) for stages in (2, 3, 4)] + [(3, n) for n in (1, 8, 32)]
+MMA_GRID = ([(stages, None, False) for stages in (2, 3, 4)] + [(3, n, False) for n in (1, 8, 32)]
+            + [(stages, None, True) for stages in (2, 3)])  # (stages, splits, producer)
 
 
 def parse_args(argv=None):
@@ -160,15 +162,16 @@ def mma_implementations(args, q, k_pages, v_pages, table, lengths, interpret):
     else its defaults) and its stream-only ceiling, where the geometry allows them."""
     page_size = k_pages.shape[2]
     ppb = mma_budget.default_pages_per_block(page_size)
-    grid = MMA_GRID if args.mma else [(None, None)]
+    grid = MMA_GRID if args.mma else [(None, None, False)]
     out = {}
-    for stages, splits in grid:
+    for stages, splits, producer in grid:
         n = stages or mma_budget.default_stages(ppb * page_size, args.head_dim)
         if mma_budget.mma_refusal(q.dtype, page_size, args.head_dim, ppb, n):
             continue
-        name = f"mma_st{n}" + (f"_splits{splits}" if splits else "")
+        name = (f"mma_st{n}" + (f"_splits{splits}" if splits else "")
+                + ("_producer" if producer else ""))
         out[name] = functools.partial(paged_decode_attention_mma, q, k_pages, v_pages, table,
-                                      lengths, stages=n, num_splits=splits,
+                                      lengths, stages=n, num_splits=splits, producer=producer,
                                       interpret=interpret)
     if out:
         out["stream"] = functools.partial(paged_decode_attention_mma, q, k_pages, v_pages,

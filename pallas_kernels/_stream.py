@@ -156,6 +156,27 @@ def zero_rows(lay, acc_ref, lo, hi, head_dim: int) -> None:
         acc_ref[r] = lay.cast(jnp.zeros((head_dim,), jnp.float32), lay.col)
 
 
+def produce_blocks(tiles: KVTiles, st: KVStream, layer, b, h, start, n_blocks, live_pages,
+                   consumed, stages: int) -> None:
+    """A producer warpgroup's whole work: blocks ``start .. start + n_blocks - 1`` into a ring
+    of ``stages`` slots, each copy started once the consumer has released its slot
+    (``consumed``: one barrier a slot, one arrival a release). At the end it awaits the last
+    releases, so every barrier phase is observed (the interpreter insists) and no copy is
+    left in flight when the program ends."""
+    def issue(j, _):
+        slot = lax.rem(j, stages)
+        pl.when(j >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+        fetch_block(tiles, st, layer, b, h, start + j, live_pages, slot)
+        return ()
+
+    def drain(j, _):
+        plgpu.barrier_wait(consumed.at[lax.rem(j, stages)])
+        return ()
+
+    lax.fori_loop(0, n_blocks, issue, ())
+    lax.fori_loop(jnp.maximum(n_blocks - stages, 0), n_blocks, drain, ())
+
+
 # ---------------------------------------------------------------- tensor cores (WGMMA)
 
 

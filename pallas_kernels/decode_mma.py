@@ -56,7 +56,7 @@ from jax import lax
 
 from pallas_kernels import _interpret
 from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
-                                    mma_state, read_layer)
+                                    mma_state, produce_blocks, read_layer)
 from pallas_kernels._tiles import KVTiles, check_query, pool_operands, validate_kv
 from pallas_kernels.mma_budget import (ROWS, default_pages_per_block, default_stages,
                                        mma_refusal, swizzled)
@@ -78,13 +78,15 @@ class _Spec:
     sm_scale: float
     soft_cap: float | None
     stream_only: bool
+    producer: bool  # a second warpgroup issues every copy (warp specialisation)
 
 
 # ---------------------------------------------------------------- layer 1: kernel body
 
 
 def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_smem, kt_smem,
-            p_smem, o_smem, stats_smem, q_bar, kv_bars, spec: _Spec, lay: _interpret.Layouts):
+            p_smem, o_smem, stats_smem, q_bar, kv_bars, consumed, spec: _Spec,
+            lay: _interpret.Layouts):
     # q_ref:     [batch, kv_heads, 64, head_dim] GMEM (the group, zero rows below it)
     # kv_refs:   (k, v) [layers, num_pages, kv_heads, page_size, head_dim] GMEM
     # ints_ref:  int32 [1] (layer); bt_ref int32 [batch, max_pages]; len_ref int32 [batch]
@@ -94,6 +96,7 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_
     # k_smem, v_smem: [stages, T, head_dim]; kt_smem [head_dim, T] (interpret only) or None
     # p_smem: [64, T] (probabilities, the pages' dtype); o_smem [64, head_dim], f32 or (one
     # split) the output's dtype; stats_smem f32 [2, 64] (splits > 1)
+    # kv_bars: a stage's copies landed; consumed: a stage released (spec.producer only)
     tiles = spec.tiles
     t, d = tiles.block_tokens, tiles.head_dim
     b, h, split = lax.axis_index("b"), lax.axis_index("kvh"), lax.axis_index("split")
@@ -108,10 +111,32 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_
     layer = read_layer(tiles, ints_ref)
     st = KVStream(kv_refs[0], kv_refs[1], None, bt_ref, k_smem, v_smem, None, kv_bars)
 
+    if spec.producer:  # warpgroup 1 copies, warpgroup 0 (below) computes
+        producing = lax.axis_index("wg") == 1
+        pl.when(producing)(functools.partial(produce_blocks, tiles, st, layer, b, h, start,
+                                             n_blocks, live_pages, consumed, spec.stages))
+        pl.when(~producing)(functools.partial(_consume, q_ref, outs, b, h, split, length,
+                                              start, n_blocks, st, layer, live_pages, q_smem,
+                                              kt_smem, p_smem, o_smem, stats_smem, q_bar,
+                                              consumed, spec, lay))
+    else:
+        _consume(q_ref, outs, b, h, split, length, start, n_blocks, st, layer, live_pages,
+                 q_smem, kt_smem, p_smem, o_smem, stats_smem, q_bar, None, spec, lay)
+
+
+def _consume(q_ref, outs, b, h, split, length, start, n_blocks, st: KVStream, layer,
+             live_pages, q_smem, kt_smem, p_smem, o_smem, stats_smem, q_bar, consumed,
+             spec: _Spec, lay: _interpret.Layouts) -> None:
+    """The compute side: waits for each stage, runs :func:`mma_block`, writes the output.
+    Without a producer (``consumed`` None) it also keeps the ring ``stages - 1`` blocks
+    ahead itself."""
+    tiles = spec.tiles
+    t, d = tiles.block_tokens, tiles.head_dim
+
     @pl.when(n_blocks > 0)
     def _prologue():
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
-        for i in range(spec.stages - 1):
+        for i in range(0 if consumed is not None else spec.stages - 1):
             pl.when(i < n_blocks)(functools.partial(
                 fetch_block, tiles, st, layer, b, h, start + i, live_pages, i))
         plgpu.barrier_wait(q_bar.at[0])
@@ -122,19 +147,24 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_
         slot = lax.rem(j, spec.stages)
         ahead = j + spec.stages - 1
 
-        @pl.when(ahead < n_blocks)
-        def _refill():
-            plgpu.commit_smem()  # every read of the stage block j - 1 used is done
-            fetch_block(tiles, st, layer, b, h, start + ahead, live_pages,
-                        lax.rem(ahead, spec.stages))
+        if consumed is None:
+            @pl.when(ahead < n_blocks)
+            def _refill():
+                plgpu.commit_smem()  # every read of the stage block j - 1 used is done
+                fetch_block(tiles, st, layer, b, h, start + ahead, live_pages,
+                            lax.rem(ahead, spec.stages))
 
-        plgpu.barrier_wait(kv_bars.at[slot])
-        if spec.stream_only:
-            return carry
-        kpos0 = (start + j) * t
-        visible = lay.iota((ROWS, t), 1, lay.tile) + kpos0 < length
-        return mma_block(lay, carry, q_smem, k_smem.at[slot], v_smem.at[slot], kt_smem, p_smem,
-                         visible, kpos0, length, scale=scale, soft_cap=spec.soft_cap)
+        plgpu.barrier_wait(st.bars.at[slot])
+        if not spec.stream_only:
+            kpos0 = (start + j) * t
+            visible = lay.iota((ROWS, t), 1, lay.tile) + kpos0 < length
+            carry = mma_block(lay, carry, q_smem, st.k_smem.at[slot], st.v_smem.at[slot],
+                              kt_smem, p_smem, visible, kpos0, length, scale=scale,
+                              soft_cap=spec.soft_cap)
+        if consumed is not None:
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(consumed.at[slot])  # the producer may refill the stage
+        return carry
 
     carry = lax.fori_loop(0, n_blocks, block, () if spec.stream_only else mma_state(lay, ROWS, d))
     if spec.stream_only:  # nothing was computed: the partials of no key
@@ -181,8 +211,10 @@ def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str)
         stats_smem=plgpu.SMEM((2, ROWS), jnp.float32) if spec.num_splits > 1 else None,
         q_bar=plgpu.Barrier(num_barriers=1),
         kv_bars=plgpu.Barrier(num_arrivals=tiles.copies_per_page * tiles.pages_per_block,
-                              num_barriers=spec.stages))
-    kind = "stream" if spec.stream_only else "decode_mma"
+                              num_barriers=spec.stages),
+        consumed=plgpu.Barrier(num_barriers=spec.stages) if spec.producer else None)
+    kind = ("stream" if spec.stream_only else "decode_mma") + ("_ws" if spec.producer else "")
+    threads = dict(num_threads=2, thread_name="wg") if spec.producer else {}
     name = (f"paged_{kind}_ppb{tiles.pages_per_block}_ps{tiles.page_size}_st{spec.stages}"
             f"_splits{spec.num_splits}_g{spec.group}_d{d}")
     params = plgpu.CompilerParams(approx_math=True, lowering_semantics=SEMANTICS[semantics])
@@ -190,7 +222,7 @@ def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str)
         functools.partial(_kernel, spec=spec, lay=lay), out_type=out_type,
         scratch_types=scratch, grid=(batch, num_kv_heads, spec.num_splits),
         grid_names=("b", "kvh", "split"), compiler_params=params, interpret=interpret,
-        kernel_name=name)
+        kernel_name=name, **threads)
 
 
 # ---------------------------------------------------------------- layer 3: public wrapper
@@ -198,7 +230,7 @@ def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str)
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "logit_soft_cap", "pages_per_block", "stages", "num_splits",
-    "min_blocks_per_split", "stream_only", "semantics", "interpret"))
+    "min_blocks_per_split", "stream_only", "producer", "semantics", "interpret"))
 def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                block_tables: jax.Array, lengths: jax.Array, *,
                                layer: jax.Array | None = None, sm_scale: float | None = None,
@@ -206,7 +238,8 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                pages_per_block: int | None = None,
                                stages: int | None = None, num_splits: int | None = None,
                                min_blocks_per_split: int = MIN_BLOCKS_PER_SPLIT,
-                               stream_only: bool = False, semantics: str = "lane",
+                               stream_only: bool = False, producer: bool = False,
+                               semantics: str = "lane",
                                interpret: _interpret.Interpret = False) -> jax.Array:
     """:func:`pallas_kernels.paged_decode_attention` on tensor cores (module docstring).
 
@@ -225,6 +258,9 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         ``min_blocks_per_split`` a split, so a short row of a ragged batch runs on fewer.
         One split writes the normalised output itself (no combine).
       stream_only: copy and wait only (returns zeros).
+      producer: a second warpgroup issues every copy (full / consumed barriers a stage)
+        while the first computes; without it the computing warpgroup keeps the ring ahead
+        itself (TMA copies are asynchronous either way). Which is faster waits for a GPU.
       semantics: Mosaic GPU's lowering, ``"lane"`` (jax 0.10's default) or ``"warpgroup"``.
       interpret: ``True`` (or ``InterpretGPUParams``) runs the kernel on CPU.
 
@@ -257,7 +293,7 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     if min_blocks_per_split < 1:
         raise ValueError(f"min_blocks_per_split={min_blocks_per_split}: use 1 or more")
     spec = _Spec(tiles, group, pl.cdiv(group, 8) * 8, stages, splits, min_blocks_per_split,
-                 default_sm_scale(head_dim, sm_scale), logit_soft_cap, stream_only)
+                 default_sm_scale(head_dim, sm_scale), logit_soft_cap, stream_only, producer)
     q_rows = jnp.zeros((batch, num_kv_heads, ROWS, head_dim), q.dtype)
     q_rows = q_rows.at[:, :, :group].set(q.reshape(batch, num_kv_heads, group, head_dim))
     outs = _call(spec, batch, num_kv_heads, interpret, semantics)(

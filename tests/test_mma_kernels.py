@@ -50,6 +50,9 @@ CASES = [
     Case(8, 64, "bfloat16", kwargs=(("pages_per_block", 8), ("stages", 4))),
     # one page a stage (page 128, head_dim 128: 2 stages by default), automatic splits
     Case(8, 128, "bfloat16", page_size=128),
+    # warp specialised: a producer warpgroup issues every copy, 2 splits
+    Case(4, 128, "bfloat16", kwargs=(("producer", True), ("num_splits", 2),
+                                     ("min_blocks_per_split", 1))),
 ]
 
 
@@ -90,17 +93,20 @@ def test_mma_decode_reads_its_layer_of_the_pool():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the race detector is the CPU interpreter's")
+@pytest.mark.parametrize("producer", [False, True], ids=["one-warpgroup", "producer"])
 @pytest.mark.parametrize("stream_only", [False, True], ids=["decode", "stream"])
-def test_the_ring_has_no_races_and_every_stage_is_awaited(stream_only):
-    """A 3-stage ring over 5 blocks of one split: every TMA write is ordered before its reads,
-    and every barrier phase is awaited (the interpreter raises otherwise). Stream-only waits
-    for the same copies and returns zeros."""
+def test_the_ring_has_no_races_and_every_stage_is_awaited(stream_only, producer):
+    """A 3-stage ring over 5 blocks of one split: every TMA write is ordered before its reads
+    (with a producer warpgroup: after the consumer released the stage), and every barrier
+    phase is awaited (the interpreter raises otherwise). Stream-only waits for the same
+    copies and returns zeros."""
     case = Case(2, 64, "bfloat16")
     clean, _, table, lengths = make_pool(4, case, [300, 70])
     q = jax.random.normal(jax.random.key(5), (2, 2, 64), jnp.bfloat16)
     params = _interpret.InterpretGPUParams(detect_races=True)
     out = ready(paged_decode_attention_mma(q, *clean, table, lengths, num_splits=1, stages=3,
-                                           stream_only=stream_only, interpret=params))
+                                           stream_only=stream_only, producer=producer,
+                                           interpret=params))
     assert not _interpret.races_found()
     if stream_only:
         assert not np.asarray(out, np.float32).any()
@@ -169,6 +175,9 @@ LOWERINGS = {
     "f16-g1-d128-ps64-softcap": (jnp.float16, 1, 128, 64, dict(logit_soft_cap=30.0)),
     "bf16-g2-d128-ps128": (jnp.bfloat16, 2, 128, 128, {}),
     "bf16-g8-d64-ps32-stream": (jnp.bfloat16, 8, 64, 32, dict(stream_only=True)),
+    "bf16-g4-d128-ps16-producer": (jnp.bfloat16, 4, 128, 16, dict(producer=True)),
+    "bf16-g8-d64-ps64-stream-producer": (jnp.bfloat16, 8, 64, 64,
+                                         dict(stream_only=True, producer=True)),
 }
 
 
@@ -192,7 +201,8 @@ def test_lowers_for_cuda_under_both_semantics(name, semantics):
     lowered = fn.trace(*_shapes(dtype, group, head_dim, page_size)).lower(
         lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-    kind = "paged_stream" if kw.get("stream_only") else "paged_decode_mma"
+    kind = ("paged_stream" if kw.get("stream_only") else "paged_decode_mma") + (
+        "_ws" if kw.get("producer") else "_ppb")
     assert kind in lowered.as_text(debug_info=True), "name= carries the kernel and its tiles"
 
 
@@ -215,11 +225,12 @@ def _kernel_eqns(interpret: bool, **kw) -> list:
     return walk(jaxpr.jaxpr, [])
 
 
-def test_the_gpu_branch_runs_both_contractions_on_wgmma_with_k_read_transposed():
+@pytest.mark.parametrize("producer", [False, True])
+def test_the_gpu_branch_runs_both_contractions_on_wgmma_with_k_read_transposed(producer):
     """Per block: two WGMMAs, ``Q @ K^T`` reading the stage through a transposed view and
     ``P @ V`` the stage as it is; no transpose is computed. Interpreted, the only change is
     K's transpose written to a scratch first (:func:`pallas_kernels._stream.keys_for_scores`)."""
-    gpu = _kernel_eqns(False)
+    gpu = _kernel_eqns(False, producer=producer)
     mma = [e for e in gpu if e.primitive.name == "wgmma_ref"]
     assert len(mma) == 2
     transposed = [bool(re.search("Transpose", str(e.params["b_transforms_tree"]))) for e in mma]
