@@ -63,16 +63,20 @@ def read_window(ints_ref):
     return jnp.clip(ints_ref[1], 1, MAX_WINDOW)
 
 
-def fetch_block(tiles: KVTiles, st: KVStream, layer, b, h, block, live_pages, slot) -> None:
+def fetch_block(tiles: KVTiles, st: KVStream, layer, b, h, block, live_pages, slot,
+                table=None, first_page=0) -> None:
     """Starts the TMA copies of block ``block`` of ``layer`` into ``slot``; pages past
-    ``live_pages`` are not read (their share of the barrier is arrived without data)."""
+    ``live_pages`` are not read (their share of the barrier is arrived without data).
+    ``table``: the row's block-table columns from ``first_page`` on, already in SMEM (else
+    each page id is read from the GMEM table)."""
     s, w = tiles.page_size, tiles.slot_rows
     for i in range(tiles.pages_per_block):
         j = block * tiles.pages_per_block + i
 
         @pl.when(j < live_pages)
         def _copy():
-            page = jnp.clip(st.block_tables[b, j], 0, tiles.num_pages - 1)  # stay in the pool
+            page = st.block_tables[b, j] if table is None else table[j - first_page]
+            page = jnp.clip(page, 0, tiles.num_pages - 1)  # stay in the pool
             dst = pl.ds(i * w, s)
             bar = st.bars.at[slot]
             plgpu.copy_gmem_to_smem(st.k.at[layer, page, h], st.k_smem.at[slot, dst], bar)
@@ -157,16 +161,27 @@ def zero_rows(lay, acc_ref, lo, hi, head_dim: int) -> None:
 
 
 def produce_blocks(tiles: KVTiles, st: KVStream, layer, b, h, start, n_blocks, live_pages,
-                   consumed, stages: int) -> None:
+                   consumed, stages: int, table_smem, table_bar) -> None:
     """A producer warpgroup's whole work: blocks ``start .. start + n_blocks - 1`` into a ring
     of ``stages`` slots, each copy started once the consumer has released its slot
-    (``consumed``: one barrier a slot, one arrival a release). At the end it awaits the last
-    releases, so every barrier phase is observed (the interpreter insists) and no copy is
-    left in flight when the program ends."""
+    (``consumed``: one barrier a slot, one arrival a release). The split's block-table
+    columns come into ``table_smem`` first, in one copy, so no page copy waits on a GMEM read
+    of its page id. At the end it awaits the last releases, so every barrier phase is
+    observed (the interpreter insists) and no copy is left in flight when the program ends."""
+    first_page = start * tiles.pages_per_block
+
+    @pl.when(n_blocks > 0)
+    def _table():
+        span = table_smem.shape[0]  # the caller pads the table so this slice stays inside
+        plgpu.copy_gmem_to_smem(st.block_tables.at[b, pl.ds(first_page, span)], table_smem,
+                                table_bar.at[0])
+        plgpu.barrier_wait(table_bar.at[0])
+
     def issue(j, _):
         slot = lax.rem(j, stages)
         pl.when(j >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-        fetch_block(tiles, st, layer, b, h, start + j, live_pages, slot)
+        fetch_block(tiles, st, layer, b, h, start + j, live_pages, slot, table_smem,
+                    first_page)
         return ()
 
     def drain(j, _):

@@ -57,15 +57,10 @@ from jax import lax
 from pallas_kernels import _interpret
 from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
                                     mma_state, produce_blocks, read_layer)
-from pallas_kernels._tiles import KVTiles, check_query, pool_operands, validate_kv
-from pallas_kernels.mma_budget import (ROWS, default_pages_per_block, default_stages,
-                                       mma_refusal, swizzled)
+from pallas_kernels._tiles import KVTiles
+from pallas_kernels.mma_budget import SEMANTICS, ROWS, checked_geometry, operand_scratch
 from pallas_kernels.paged_decode import MIN_BLOCKS_PER_SPLIT, auto_num_splits, combine_splits
 from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
-
-SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane,
-             "warpgroup": plgpu.LoweringSemantics.Warpgroup}
-
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
@@ -79,14 +74,21 @@ class _Spec:
     soft_cap: float | None
     stream_only: bool
     producer: bool  # a second warpgroup issues every copy (warp specialisation)
+    table_span: int = 0  # block-table columns a split's producer copies to SMEM
+
+    @property
+    def max_split_blocks(self) -> int:
+        """The most blocks a split can get (a row as long as the table)."""
+        total = -(-self.tiles.max_pages // self.tiles.pages_per_block)
+        return max(-(-total // self.num_splits), self.min_blocks)
 
 
 # ---------------------------------------------------------------- layer 1: kernel body
 
 
 def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_smem, kt_smem,
-            p_smem, o_smem, stats_smem, q_bar, kv_bars, consumed, spec: _Spec,
-            lay: _interpret.Layouts):
+            p_smem, o_smem, stats_smem, q_bar, kv_bars, consumed, table_smem, table_bar,
+            spec: _Spec, lay: _interpret.Layouts):
     # q_ref:     [batch, kv_heads, 64, head_dim] GMEM (the group, zero rows below it)
     # kv_refs:   (k, v) [layers, num_pages, kv_heads, page_size, head_dim] GMEM
     # ints_ref:  int32 [1] (layer); bt_ref int32 [batch, max_pages]; len_ref int32 [batch]
@@ -96,9 +98,10 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_
     # k_smem, v_smem: [stages, T, head_dim]; kt_smem [head_dim, T] (interpret only) or None
     # p_smem: [64, T] (probabilities, the pages' dtype); o_smem [64, head_dim], f32 or (one
     # split) the output's dtype; stats_smem f32 [2, 64] (splits > 1)
-    # kv_bars: a stage's copies landed; consumed: a stage released (spec.producer only)
+    # kv_bars: a stage's copies landed; consumed: a stage released; table_smem int32
+    # [table_span]: the split's block-table columns (these three with spec.producer only)
     tiles = spec.tiles
-    t, d = tiles.block_tokens, tiles.head_dim
+    t = tiles.block_tokens
     b, h, split = lax.axis_index("b"), lax.axis_index("kvh"), lax.axis_index("split")
     length = jnp.clip(len_ref[b], 0, tiles.max_pages * tiles.page_size)
     live_pages = pl.cdiv(length, tiles.page_size)
@@ -114,7 +117,8 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_
     if spec.producer:  # warpgroup 1 copies, warpgroup 0 (below) computes
         producing = lax.axis_index("wg") == 1
         pl.when(producing)(functools.partial(produce_blocks, tiles, st, layer, b, h, start,
-                                             n_blocks, live_pages, consumed, spec.stages))
+                                             n_blocks, live_pages, consumed, spec.stages,
+                                             table_smem, table_bar))
         pl.when(~producing)(functools.partial(_consume, q_ref, outs, b, h, split, length,
                                               start, n_blocks, st, layer, live_pages, q_smem,
                                               kt_smem, p_smem, o_smem, stats_smem, q_bar,
@@ -189,7 +193,7 @@ def _consume(q_ref, outs, b, h, split, length, start, n_blocks, st: KVStream, la
 
 def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str):
     tiles = spec.tiles
-    t, d, dtype = tiles.block_tokens, tiles.head_dim, tiles.dtype
+    d, dtype = tiles.head_dim, tiles.dtype
     interpret = _interpret.interpret_params(interpret)
     lay = _interpret.Layouts(interpret is not None)
     if spec.num_splits == 1:
@@ -200,19 +204,13 @@ def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str)
                                  jnp.float32),
             jax.ShapeDtypeStruct((batch, num_kv_heads, spec.num_splits, 2, ROWS),
                                  jnp.float32))
-    stage = plgpu.SMEM((spec.stages, t, d), dtype, transforms=swizzled(dtype, d))
     scratch = dict(
-        q_smem=plgpu.SMEM((ROWS, d), dtype, transforms=swizzled(dtype, d)),
-        k_smem=stage, v_smem=stage,
-        kt_smem=plgpu.SMEM((d, t), dtype, transforms=swizzled(dtype, t)) if lay.interpret
-        else None,
-        p_smem=plgpu.SMEM((ROWS, t), dtype, transforms=swizzled(dtype, t)),
+        operand_scratch(tiles, spec.stages, lay.interpret),
         o_smem=plgpu.SMEM((ROWS, d), dtype if spec.num_splits == 1 else jnp.float32),
         stats_smem=plgpu.SMEM((2, ROWS), jnp.float32) if spec.num_splits > 1 else None,
-        q_bar=plgpu.Barrier(num_barriers=1),
-        kv_bars=plgpu.Barrier(num_arrivals=tiles.copies_per_page * tiles.pages_per_block,
-                              num_barriers=spec.stages),
-        consumed=plgpu.Barrier(num_barriers=spec.stages) if spec.producer else None)
+        consumed=plgpu.Barrier(num_barriers=spec.stages) if spec.producer else None,
+        table_smem=plgpu.SMEM((spec.table_span,), jnp.int32) if spec.producer else None,
+        table_bar=plgpu.Barrier(num_barriers=1) if spec.producer else None)
     kind = ("stream" if spec.stream_only else "decode_mma") + ("_ws" if spec.producer else "")
     threads = dict(num_threads=2, thread_name="wg") if spec.producer else {}
     name = (f"paged_{kind}_ppb{tiles.pages_per_block}_ps{tiles.page_size}_st{spec.stages}"
@@ -270,24 +268,13 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim]; got {q.shape}")
     batch, num_q_heads, head_dim = q.shape
-    kv, ints = pool_operands(k_pages, v_pages, None, layer)
-    page_size = kv[0].shape[3]
-    ppb = pages_per_block or default_pages_per_block(page_size)
-    stages = stages or default_stages(ppb * page_size, head_dim, kv[0].dtype.itemsize)
-    refusal = mma_refusal(kv[0].dtype, page_size, head_dim, ppb, stages)
-    if refusal:
-        raise ValueError(refusal)
-    if semantics not in SEMANTICS:
-        raise ValueError(f"semantics must be one of {sorted(SEMANTICS)}; got {semantics!r}")
-    tiles = validate_kv(kv, block_tables, ppb)
-    check_query(q.dtype, head_dim, tiles)
-    num_kv_heads = kv[0].shape[2]
-    group = num_q_heads // num_kv_heads
-    if (num_q_heads % num_kv_heads or group > ROWS or block_tables.shape[0] != batch
-            or lengths.shape != (batch,)):
-        raise ValueError(f"num_q_heads={num_q_heads} must be 1-{ROWS} x num_kv_heads="
-                         f"{num_kv_heads}; block_tables {block_tables.shape} and lengths"
-                         f" {lengths.shape} must lead with batch={batch}")
+    kv, ints, tiles, stages, group = checked_geometry(
+        q.dtype, num_q_heads, head_dim, k_pages, v_pages, layer, block_tables, pages_per_block,
+        stages, semantics)
+    num_kv_heads, ppb = kv[0].shape[2], tiles.pages_per_block
+    if block_tables.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"block_tables {block_tables.shape} and lengths {lengths.shape} must"
+                         f" lead with batch={batch}")
     total_blocks = pl.cdiv(tiles.max_pages, ppb)
     splits = num_splits or auto_num_splits(batch, num_kv_heads, total_blocks)
     if min_blocks_per_split < 1:
@@ -296,6 +283,11 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                  default_sm_scale(head_dim, sm_scale), logit_soft_cap, stream_only, producer)
     q_rows = jnp.zeros((batch, num_kv_heads, ROWS, head_dim), q.dtype)
     q_rows = q_rows.at[:, :, :group].set(q.reshape(batch, num_kv_heads, group, head_dim))
+    if producer:  # a split's table columns move in one copy: pad so none leaves the table
+        span = -(-spec.max_split_blocks * ppb // 32) * 32  # whole 128-byte copies
+        width = -(-((splits - 1) * spec.max_split_blocks * ppb + span) // 32) * 32
+        spec = dataclasses.replace(spec, table_span=span)
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, max(0, width - tiles.max_pages))))
     outs = _call(spec, batch, num_kv_heads, interpret, semantics)(
         q_rows, kv, ints, block_tables, lengths.astype(jnp.int32))
     if splits == 1:

@@ -1,8 +1,8 @@
 """What the tensor-core kernels (:mod:`pallas_kernels.decode_mma`,
-:mod:`pallas_kernels.prefill_mma`) can tile: SMEM and register budgets, defaults, operand
-layout, and why they refuse a geometry (then the CUDA-core kernels serve it). Plain
-arithmetic, so a cache made with ``attention_impl="pallas_mma"`` can ask without building a
-kernel.
+:mod:`pallas_kernels.prefill_mma`) can tile: SMEM and register budgets, defaults, why they
+refuse a geometry (then the CUDA-core kernels serve it: plain arithmetic, so a cache made with
+``attention_impl="pallas_mma"`` can ask without building a kernel), and what both wrappers
+check and allocate.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels._tiles import SMEM_BUDGET_BYTES, TMA_SMEM_ALIGN
+from pallas_kernels._tiles import (SMEM_BUDGET_BYTES, TMA_SMEM_ALIGN, KVTiles, check_query,
+                                   pool_operands, validate_kv)
 
 ROWS = 64  # query rows of one WGMMA: the GQA group, zero-padded
 MMA_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -76,3 +77,49 @@ def swizzled(dtype, row_elems: int) -> tuple:
     swizzle = min(TMA_SMEM_ALIGN, row_elems * jnp.dtype(dtype).itemsize)
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(swizzle))
+
+
+SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane,
+             "warpgroup": plgpu.LoweringSemantics.Warpgroup}
+
+
+def checked_geometry(q_dtype, num_q_heads: int, head_dim: int, k_pages, v_pages, layer,
+                     block_tables, pages_per_block: int | None, stages: int | None,
+                     semantics: str):
+    """The wrappers' trace-time checks, each error naming what to change -> ``(kv, ints,
+    tiles, stages, group)``: the 5-D pools and int operands (:func:`pool_operands`), the
+    stream's geometry, the ring's depth and the GQA group."""
+    kv, ints = pool_operands(k_pages, v_pages, None, layer)
+    page_size = kv[0].shape[3]
+    ppb = pages_per_block or default_pages_per_block(page_size)
+    stages = stages or default_stages(ppb * page_size, head_dim, kv[0].dtype.itemsize)
+    refusal = mma_refusal(kv[0].dtype, page_size, head_dim, ppb, stages)
+    if refusal:
+        raise ValueError(refusal)
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {sorted(SEMANTICS)}; got {semantics!r}")
+    tiles = validate_kv(kv, block_tables, ppb)
+    check_query(q_dtype, head_dim, tiles)
+    num_kv_heads = kv[0].shape[2]
+    group = num_q_heads // num_kv_heads
+    if num_q_heads % num_kv_heads or group > ROWS:
+        raise ValueError(f"num_q_heads={num_q_heads} must be 1-{ROWS} x num_kv_heads="
+                         f"{num_kv_heads}")
+    return kv, ints, tiles, stages, group
+
+
+def operand_scratch(tiles: KVTiles, stages: int, interpret: bool) -> dict:
+    """SMEM both kernels take: Q ``[64, D]``, the K and V rings ``[stages, T, D]``, the
+    probabilities ``[64, T]`` (all swizzled WGMMA operands), the interpreter's transposed-K
+    scratch ``[D, T]`` (None when compiling), and the barriers of Q and of each stage."""
+    t, d, dtype = tiles.block_tokens, tiles.head_dim, tiles.dtype
+    stage = plgpu.SMEM((stages, t, d), dtype, transforms=swizzled(dtype, d))
+    return dict(
+        q_smem=plgpu.SMEM((ROWS, d), dtype, transforms=swizzled(dtype, d)),
+        k_smem=stage, v_smem=stage,
+        kt_smem=plgpu.SMEM((d, t), dtype, transforms=swizzled(dtype, t)) if interpret
+        else None,
+        p_smem=plgpu.SMEM((ROWS, t), dtype, transforms=swizzled(dtype, t)),
+        q_bar=plgpu.Barrier(num_barriers=1),
+        kv_bars=plgpu.Barrier(num_arrivals=tiles.copies_per_page * tiles.pages_per_block,
+                              num_barriers=stages))

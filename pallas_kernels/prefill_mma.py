@@ -33,10 +33,8 @@ from jax import lax
 from pallas_kernels import _interpret
 from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
                                     mma_state, read_layer)
-from pallas_kernels._tiles import KVTiles, check_query, pool_operands, validate_kv
-from pallas_kernels.decode_mma import SEMANTICS
-from pallas_kernels.mma_budget import (ROWS, default_pages_per_block, default_stages,
-                                       mma_refusal, swizzled)
+from pallas_kernels._tiles import KVTiles
+from pallas_kernels.mma_budget import SEMANTICS, ROWS, checked_geometry, operand_scratch
 from pallas_kernels.reference import default_sm_scale, paged_prefill_attention_reference
 
 
@@ -110,20 +108,11 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, qlen_ref, out_ref, *, q_s
 def _call(spec: _Spec, batch: int, num_kv_heads: int, q_blocks: int, interpret,
           semantics: str):
     tiles = spec.tiles
-    t, d, dtype = tiles.block_tokens, tiles.head_dim, tiles.dtype
+    d, dtype = tiles.head_dim, tiles.dtype
     interpret = _interpret.interpret_params(interpret)
     lay = _interpret.Layouts(interpret is not None)
-    stage = plgpu.SMEM((spec.stages, t, d), dtype, transforms=swizzled(dtype, d))
-    scratch = dict(
-        q_smem=plgpu.SMEM((ROWS, d), dtype, transforms=swizzled(dtype, d)),
-        k_smem=stage, v_smem=stage,
-        kt_smem=plgpu.SMEM((d, t), dtype, transforms=swizzled(dtype, t)) if lay.interpret
-        else None,
-        p_smem=plgpu.SMEM((ROWS, t), dtype, transforms=swizzled(dtype, t)),
-        o_smem=plgpu.SMEM((ROWS, d), dtype),
-        q_bar=plgpu.Barrier(num_barriers=1),
-        kv_bars=plgpu.Barrier(num_arrivals=tiles.copies_per_page * tiles.pages_per_block,
-                              num_barriers=spec.stages))
+    scratch = dict(operand_scratch(tiles, spec.stages, lay.interpret),
+                   o_smem=plgpu.SMEM((ROWS, d), dtype))
     name = (f"paged_prefill_mma_bq{spec.block_q}_ppb{tiles.pages_per_block}"
             f"_ps{tiles.page_size}_st{spec.stages}_g{spec.group}_d{d}")
     params = plgpu.CompilerParams(approx_math=True, lowering_semantics=SEMANTICS[semantics])
@@ -164,25 +153,14 @@ def paged_prefill_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, max_q_len, num_q_heads, head_dim]; got {q.shape}")
     batch, max_q, num_q_heads, head_dim = q.shape
-    kv, ints = pool_operands(k_pages, v_pages, None, layer)
-    page_size = kv[0].shape[3]
-    ppb = pages_per_block or default_pages_per_block(page_size)
-    stages = stages or default_stages(ppb * page_size, head_dim, kv[0].dtype.itemsize)
-    refusal = mma_refusal(kv[0].dtype, page_size, head_dim, ppb, stages)
-    if refusal:
-        raise ValueError(refusal)
-    if semantics not in SEMANTICS:
-        raise ValueError(f"semantics must be one of {sorted(SEMANTICS)}; got {semantics!r}")
-    tiles = validate_kv(kv, block_tables, ppb)
-    check_query(q.dtype, head_dim, tiles)
+    kv, ints, tiles, stages, group = checked_geometry(
+        q.dtype, num_q_heads, head_dim, k_pages, v_pages, layer, block_tables, pages_per_block,
+        stages, semantics)
     num_kv_heads = kv[0].shape[2]
-    group = num_q_heads // num_kv_heads
-    if (num_q_heads % num_kv_heads or group > ROWS or block_tables.shape[0] != batch
-            or lengths.shape != (batch,) or query_lengths.shape != (batch,)):
-        raise ValueError(f"num_q_heads={num_q_heads} must be 1-{ROWS} x num_kv_heads="
-                         f"{num_kv_heads}; block_tables {block_tables.shape}, lengths"
-                         f" {lengths.shape} and query_lengths {query_lengths.shape} must lead"
-                         f" with batch={batch}")
+    if (block_tables.shape[0] != batch or lengths.shape != (batch,)
+            or query_lengths.shape != (batch,)):
+        raise ValueError(f"block_tables {block_tables.shape}, lengths {lengths.shape} and"
+                         f" query_lengths {query_lengths.shape} must lead with batch={batch}")
     block_q = ROWS // group
     q_blocks = pl.cdiv(max_q, block_q)
     spec = _Spec(tiles, group, block_q, stages, default_sm_scale(head_dim, sm_scale),
