@@ -6,16 +6,16 @@ a whole ``[num_layers, num_pages, ...]`` pool with ``layer=``, read inside the k
 layer is sliced (copied) out of it. The attention functions take an optional sliding
 ``window=`` (an int32 scalar, may be traced: each query sees its last ``window`` keys). The
 kernels run on Hopper-class GPUs, or on CPU with ``interpret=True`` (slow; for tests).
-``paged_decode_attention_mma`` / ``paged_prefill_attention_mma`` run both contractions on
-tensor cores (WGMMA) for bfloat16 / float16 pages; they are not yet the caches' default (they
-wait for a GPU measurement).
+Both contractions on tensor cores (WGMMA), for bfloat16 / float16 pages:
+``pallas_kernels.decode_mma.paged_decode_attention_mma`` and
+``pallas_kernels.prefill_mma.paged_prefill_attention_mma``, imported from their modules (a
+cache loads them only when made with ``attention_impl="pallas_mma"``); not yet the caches'
+default: they wait for a GPU measurement.
 """
 
-from pallas_kernels.decode_mma import paged_decode_attention_mma
 from pallas_kernels.kv_write import copy_pages, copy_pages_reference, write_kv, write_kv_reference
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.paged_prefill import paged_prefill_attention
-from pallas_kernels.prefill_mma import paged_prefill_attention_mma
 from pallas_kernels.reference import (dense_attention_reference, paged_decode_attention_reference,
                                       paged_prefill_attention_reference)
 
@@ -24,10 +24,8 @@ __all__ = [
     "copy_pages_reference",
     "dense_attention_reference",
     "paged_decode_attention",
-    "paged_decode_attention_mma",
     "paged_decode_attention_reference",
     "paged_prefill_attention",
-    "paged_prefill_attention_mma",
     "paged_prefill_attention_reference",
     "write_kv",
     "write_kv_reference",

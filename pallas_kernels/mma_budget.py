@@ -59,6 +59,15 @@ def mma_refusal(dtype, page_size: int, head_dim: int, pages_per_block: int, stag
     return None
 
 
+def serves(dtype, page_size: int, head_dim: int, *, window=None, scales=None) -> bool:
+    """Whether the kernels take these pages at their default stage shape (a cache asks this
+    before each step; the refusal, :func:`mma_refusal`, names why not)."""
+    ppb = default_pages_per_block(page_size)
+    stages = default_stages(ppb * page_size, head_dim, jnp.dtype(dtype).itemsize)
+    return mma_refusal(dtype, page_size, head_dim, ppb, stages, window=window,
+                       scales=scales) is None
+
+
 def default_stages(block_tokens: int, head_dim: int, itemsize: int = 2) -> int:
     """The ring's depth: :data:`DEFAULT_STAGES`, or fewer (not under 2) where SMEM is short
     (page 128 at head_dim 128: 2 stages of 128 keys)."""

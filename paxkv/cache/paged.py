@@ -252,7 +252,9 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
     interpret = jax.default_backend() != "gpu"
     lengths = jnp.where(step.query_lengths > 0, step.lengths, 0)
     if q.shape[1] == 1 and mma and _mma_serves(pool, scores):
-        return pallas_kernels.paged_decode_attention_mma(  # 16-bit operands, as the pages
+        from pallas_kernels.decode_mma import paged_decode_attention_mma  # noqa: PLC0415
+
+        return paged_decode_attention_mma(  # 16-bit operands, as the pages
             q[:, 0].astype(pool.k.dtype), pool.k, pool.v, block_tables, lengths, layer=layer,
             sm_scale=scores["sm_scale"], logit_soft_cap=scores["logit_soft_cap"],
             interpret=interpret)[:, None].astype(q.dtype)
@@ -261,7 +263,9 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
             q[:, 0], pool.k, pool.v, block_tables, lengths, scales=pool.scales, layer=layer,
             interpret=interpret, **scores)[:, None]
     if mma and _mma_serves(pool, scores):
-        return pallas_kernels.paged_prefill_attention_mma(
+        from pallas_kernels.prefill_mma import paged_prefill_attention_mma  # noqa: PLC0415
+
+        return paged_prefill_attention_mma(
             q.astype(pool.k.dtype), pool.k, pool.v, block_tables, lengths, step.query_lengths,
             layer=layer, sm_scale=scores["sm_scale"], logit_soft_cap=scores["logit_soft_cap"],
             interpret=interpret).astype(q.dtype)
@@ -271,15 +275,11 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
 
 
 def _mma_serves(pool: kv_pool.KVPool, scores: dict) -> bool:
-    """Whether the tensor-core kernels take this pool and layer (their refusal names why
-    not: float32 or 8-bit pages, a sliding window, a geometry it cannot tile)."""
+    """Whether the tensor-core kernels take this pool and layer's window."""
     from pallas_kernels import mma_budget  # noqa: PLC0415 - arithmetic only
 
-    page_size, head_dim = pool.k.shape[-2:]
-    ppb = mma_budget.default_pages_per_block(page_size)
-    stages = mma_budget.default_stages(ppb * page_size, head_dim, pool.k.dtype.itemsize)
-    return mma_budget.mma_refusal(pool.k.dtype, page_size, head_dim, ppb, stages,
-                                  window=scores["window"], scales=pool.scales) is None
+    return mma_budget.serves(pool.k.dtype, *pool.k.shape[-2:], window=scores["window"],
+                             scales=pool.scales)
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
