@@ -145,7 +145,11 @@ def main(argv=None) -> dict[str, Any]:
         shapes = {"smollm2-135m-2-layers": dataclasses.replace(SMOLLM2_135M, num_layers=2)}
         args.batch, args.prompt, args.new, args.impls = 4, 32, 8, ("xla",)
     started = provenance()
-    rows = [run_model(name, config, args) for name, config in shapes.items()]
+    name_out = "gpu_engine_tiny" if args.tiny else "gpu_engine"
+    rows = []
+    for name, config in shapes.items():  # written after each model: a stage limit keeps some
+        rows.append(run_model(name, config, args))
+        write_json(name_out, record(dict(vars(args), **started), dict(rows=rows)))
     impl = args.impls[-1]
     print_table(["model", "batch", "prompt", "new"]
                 + [f"{i} tok/s" for i in args.impls] + ["hf tok/s", f"{impl} / hf",
@@ -155,9 +159,7 @@ def main(argv=None) -> dict[str, Any]:
                  + [f"{r.get('hf_tok_s', float('nan')):.0f}",
                     f"{r.get(f'{impl}_vs_hf', float('nan')):.2f}x",
                     f"{100 * r[f'{impl}_idle']:.0f}%"] for r in rows])
-    result = record(dict(vars(args), **started), dict(rows=rows))
-    write_json("gpu_engine_tiny" if args.tiny else "gpu_engine", result)
-    return result
+    return record(dict(vars(args), **started), dict(rows=rows))
 
 
 if __name__ == "__main__":

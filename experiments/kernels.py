@@ -192,7 +192,7 @@ def run_point(args, point, copy_bps, interpret):
     batch, context, page_size = point
     q, k_pages, v_pages, table, lengths = make_problem(args, batch, context, page_size)
     check = min(batch, 8)  # the oracle materialises scores: check a slice of the batch
-    int8 = None if args.tune else quantised(k_pages, v_pages)
+    int8 = None if args.tune or args.mma else quantised(k_pages, v_pages)
     pools = {"bf16": (k_pages, v_pages, None)} | ({} if int8 is None else {"int8": int8})
     refs = {kind: np.asarray(paged_decode_attention_reference(
         q[:check], k, v, table[:check], lengths[:check],

@@ -58,9 +58,10 @@ from pallas_kernels import _interpret
 from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
                                     mma_state, produce_blocks, read_layer)
 from pallas_kernels._tiles import KVTiles
-from pallas_kernels.mma_budget import SEMANTICS, ROWS, checked_geometry, operand_scratch
+from pallas_kernels.mma_budget import ROWS, SEMANTICS, checked_geometry, operand_scratch
 from pallas_kernels.paged_decode import MIN_BLOCKS_PER_SPLIT, auto_num_splits, combine_splits
 from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
+
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:

@@ -34,7 +34,7 @@ from pallas_kernels import _interpret
 from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
                                     mma_state, read_layer)
 from pallas_kernels._tiles import KVTiles
-from pallas_kernels.mma_budget import SEMANTICS, ROWS, checked_geometry, operand_scratch
+from pallas_kernels.mma_budget import ROWS, SEMANTICS, checked_geometry, operand_scratch
 from pallas_kernels.reference import default_sm_scale, paged_prefill_attention_reference
 
 
