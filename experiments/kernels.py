@@ -254,11 +254,13 @@ def main(argv=None):
     print(f"device-to-device copy: {copy_bps / 1e9:.1f} GB/s\n"
           f"{'batch':>5} {'ctx':>6} {'page':>4}  {'impl':20s} {'median':>12} {'bandwidth':>13}"
           " of copy")
-    rows = [r for point in sweep for r in run_point(args, point, copy_bps, args.interpret)]
     name = ("kernels_interpret" if args.interpret else "kernels_tune" if args.tune
             else "kernels_mma" if args.mma else result_name("kernels", args.quick))
-    write_json(name, record(dict(vars(args), **started), dict(copy_gbps=copy_bps / 1e9, rows=rows)),
-               path=args.out)
+    rows = []
+    for point in sweep:  # written after each point: a stage's time limit keeps what ran
+        rows += run_point(args, point, copy_bps, args.interpret)
+        write_json(name, record(dict(vars(args), **started),
+                                dict(copy_gbps=copy_bps / 1e9, rows=rows)), path=args.out)
     return rows
 
 

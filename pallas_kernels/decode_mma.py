@@ -57,8 +57,9 @@ from jax import lax
 from pallas_kernels import _interpret
 from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
                                     mma_state, produce_blocks, read_layer)
-from pallas_kernels._tiles import KVTiles
-from pallas_kernels.mma_budget import ROWS, SEMANTICS, checked_geometry, operand_scratch
+from pallas_kernels._tiles import SMEM_BUDGET_BYTES, KVTiles
+from pallas_kernels.mma_budget import (ROWS, SEMANTICS, checked_geometry, operand_scratch,
+                                       smem_bytes)
 from pallas_kernels.paged_decode import MIN_BLOCKS_PER_SPLIT, auto_num_splits, combine_splits
 from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
 
@@ -288,6 +289,11 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         span = -(-spec.max_split_blocks * ppb // 32) * 32  # whole 128-byte copies
         width = -(-((splits - 1) * spec.max_split_blocks * ppb + span) // 32) * 32
         spec = dataclasses.replace(spec, table_span=span)
+        need = smem_bytes(tiles.block_tokens, head_dim, stages, tiles.itemsize) + 4 * span
+        if need > SMEM_BUDGET_BYTES:
+            raise ValueError(f"producer=True needs {need} bytes of SMEM with a {span}-column"
+                             f" block-table slice (> {SMEM_BUDGET_BYTES}): more num_splits,"
+                             " fewer stages, or producer=False")
         block_tables = jnp.pad(block_tables, ((0, 0), (0, max(0, width - tiles.max_pages))))
     outs = _call(spec, batch, num_kv_heads, interpret, semantics)(
         q_rows, kv, ints, block_tables, lengths.astype(jnp.int32))

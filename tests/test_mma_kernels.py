@@ -292,6 +292,15 @@ def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="pages_per_block x page_size"):
         paged_decode_attention_mma(q.astype(jnp.bfloat16), *bf, table, lengths,
                                    pages_per_block=3, interpret=True)
+    # a producer's block-table slice counts against SMEM: one split of a 64k-token table
+    # (4,096 columns, 16 KiB) on top of four 64-key stages at head_dim 128 (189 KiB) is over
+    long_table = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
+    pages = jax.ShapeDtypeStruct((8, 1, 16, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="producer=True needs .* more num_splits"):
+        jax.eval_shape(lambda *a: paged_decode_attention_mma(
+            *a, stages=4, num_splits=1, producer=True), jax.ShapeDtypeStruct(
+                (1, 2, 128), jnp.bfloat16), pages, pages, long_table,
+            jax.ShapeDtypeStruct((1,), jnp.int32))
 
 
 # ---------------------------------------------------------------- through the paged cache
