@@ -90,6 +90,9 @@ def generate(lm: Any, prompts: Sequence[str | Sequence[int]] | Any,
         up to a multiple of its data axis.
       max_len: tokens one sequence may hold; default the longest prompt + ``max_new_tokens``.
       loop: "python" (continuous batching) or "jit" (fixed batch, one compiled loop).
+      attention_impl: "auto" (the Pallas kernels on a GPU for pages they accept, else XLA),
+        "pallas", "pallas_mma" (the kernels on tensor cores where they serve the pages:
+        bfloat16 / float16, no sliding window) or "xla".
       kv_dtype: the K/V values' dtype. ``jnp.bfloat16`` halves the cache (a CPU stores it as
         bits, :mod:`pallas_kernels.kv_storage`); tokens can then differ from float32's where two logits
         are within its rounding.
