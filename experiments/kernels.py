@@ -16,9 +16,9 @@ fraction of a measured device-to-device copy rate.
                                                # its stream-only ceiling, the CUDA-core kernel
                                                # and JAX's Triton one (issue 34's cells)
 
-``stream`` rows are :mod:`pallas_kernels.decode_mma` with ``stream_only=True``: the same
-page copies and ring, no arithmetic (returns zeros, so not checked): the ceiling of one copy
-per page at that page size. ``mma_*`` rows' ``frac_of_stream`` is their bandwidth over it;
+``stream`` rows are :mod:`pallas_kernels.tensor_cores.decode` with ``stream_only=True``: the
+same page copies and ring, no arithmetic (returns zeros, so not checked): the ceiling of one
+copy per page at that page size. ``mma_*`` rows' ``frac_of_stream`` is their bandwidth over it;
 ``mma_*_producer`` rows have a second warpgroup issue every copy.
 
 Writes ``results/kernels.json`` (config, versions, device, git SHA, rows) and prints a table.
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import parser, provenance, record, result_name, timed, write_json
-from pallas_kernels import mma_budget
-from pallas_kernels.decode_mma import paged_decode_attention_mma
+from pallas_kernels.tensor_cores import geometry
+from pallas_kernels.tensor_cores.decode import paged_decode_attention_mma
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_decode_attention_reference
 from pallas_kernels import quant
@@ -161,12 +161,12 @@ def mma_implementations(args, q, k_pages, v_pages, table, lengths, interpret):
     """The tensor-core kernel (each ``(stages, splits)`` of :data:`MMA_GRID` with ``--mma``,
     else its defaults) and its stream-only ceiling, where the geometry allows them."""
     page_size = k_pages.shape[2]
-    ppb = mma_budget.default_pages_per_block(page_size)
+    ppb = geometry.default_pages_per_block(page_size)
     grid = MMA_GRID if args.mma else [(None, None, False)]
     out = {}
     for stages, splits, producer in grid:
-        n = stages or mma_budget.default_stages(ppb * page_size, args.head_dim)
-        if mma_budget.mma_refusal(q.dtype, page_size, args.head_dim, ppb, n):
+        n = stages or geometry.default_stages(ppb * page_size, args.head_dim)
+        if geometry.mma_refusal(q.dtype, page_size, args.head_dim, ppb, n):
             continue
         name = (f"mma_st{n}" + (f"_splits{splits}" if splits else "")
                 + ("_producer" if producer else ""))

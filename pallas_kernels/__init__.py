@@ -6,11 +6,10 @@ a whole ``[num_layers, num_pages, ...]`` pool with ``layer=``, read inside the k
 layer is sliced (copied) out of it. The attention functions take an optional sliding
 ``window=`` (an int32 scalar, may be traced: each query sees its last ``window`` keys). The
 kernels run on Hopper-class GPUs, or on CPU with ``interpret=True`` (slow; for tests).
-Both contractions on tensor cores (WGMMA), for bfloat16 / float16 pages:
-``pallas_kernels.decode_mma.paged_decode_attention_mma`` and
-``pallas_kernels.prefill_mma.paged_prefill_attention_mma``, imported from their modules (a
-cache loads them only when made with ``attention_impl="pallas_mma"``); not yet the caches'
-default: they wait for a GPU measurement.
+Both contractions on tensor cores (WGMMA), for bfloat16 / float16 pages, are in
+:mod:`pallas_kernels.tensor_cores` (imported from there: a cache loads them only when made
+with ``attention_impl="pallas_mma"``); not yet the caches' default: they wait for a GPU
+measurement.
 """
 
 from pallas_kernels.kv_write import copy_pages, copy_pages_reference, write_kv, write_kv_reference

@@ -2,7 +2,7 @@
 load it into registers (dequantising 8-bit codes), run one row's online-softmax step (the
 CUDA-core kernels); or feed a ring of stages from a producer warpgroup and run one stage's
 online-softmax step for 64 query rows on WGMMA (the tensor-core kernels,
-:mod:`pallas_kernels.decode_mma` and :mod:`pallas_kernels.prefill_mma`).
+:mod:`pallas_kernels.tensor_cores.decode` and :mod:`pallas_kernels.tensor_cores.prefill`).
 
 Geometry, SMEM layout and the trace-time checks are in ``_tiles.py``; the kernels call these
 from their bodies, so everything here runs inside a Mosaic GPU kernel (or its interpreter).

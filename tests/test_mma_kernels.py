@@ -1,7 +1,6 @@
-"""The tensor-core kernels (:mod:`pallas_kernels.decode_mma`, :mod:`pallas_kernels.prefill_mma`)
-against the jnp oracle in interpret mode, their CUDA lowering under both Mosaic GPU semantics,
-the shape of the GPU branch, the SMEM / register arithmetic, and the paged cache's
-``attention_impl="pallas_mma"``.
+"""The tensor-core kernels (:mod:`pallas_kernels.tensor_cores`) against the jnp oracle in
+interpret mode, their CUDA lowering under both Mosaic GPU semantics, the shape of the GPU
+branch, the SMEM / register arithmetic, and the paged cache's ``attention_impl="pallas_mma"``.
 
 On a GPU the same tests compile and run them for real (``INTERPRET`` is False there). Each case
 packs the length edge cases (0, 1, page - 1, page, page + 1, long; two rows sharing a page)
@@ -20,11 +19,12 @@ import pytest
 from test_pallas_kernels import (INTERPRET, Case, assert_rows_close, edge_lengths, make_pool,
                                  ready)
 
-from pallas_kernels import _interpret, mma_budget
-from pallas_kernels.decode_mma import paged_decode_attention_mma
-from pallas_kernels.prefill_mma import paged_prefill_attention_mma
+from pallas_kernels import _interpret
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       paged_prefill_attention_reference)
+from pallas_kernels.tensor_cores import geometry
+from pallas_kernels.tensor_cores.decode import paged_decode_attention_mma
+from pallas_kernels.tensor_cores.prefill import paged_prefill_attention_mma
 from paxkv.cache import paged as paged_cache
 from paxkv.core.step_info import StepInfo
 
@@ -263,12 +263,12 @@ def test_one_split_writes_the_normalised_output_itself(splits):
 def test_smem_and_register_budgets():
     """One program's SMEM: the K/V ring, Q and P in bf16, the float32 output and stats; the
     float32 score and output tiles' registers per thread of the warpgroup."""
-    assert mma_budget.smem_bytes(64, 128, 3) == (2 * 3 * 64 * 128 * 2 + 64 * (128 + 64) * 2
+    assert geometry.smem_bytes(64, 128, 3) == (2 * 3 * 64 * 128 * 2 + 64 * (128 + 64) * 2
                                                  + 64 * 130 * 4)
-    assert mma_budget.tile_registers(64, 128) == 96  # 64 x (64 + 128) floats / 128 threads
-    assert mma_budget.default_stages(64, 128) == 3
-    assert mma_budget.default_stages(128, 128) == 2  # 3 stages of 128 keys do not fit
-    refuse = mma_budget.mma_refusal
+    assert geometry.tile_registers(64, 128) == 96  # 64 x (64 + 128) floats / 128 threads
+    assert geometry.default_stages(64, 128) == 3
+    assert geometry.default_stages(128, 128) == 2  # 3 stages of 128 keys do not fit
+    refuse = geometry.mma_refusal
     assert refuse(jnp.bfloat16, 16, 128, 4, 3) is None
     assert "SMEM" in refuse(jnp.bfloat16, 128, 128, 1, 3)
     assert "registers" in refuse(jnp.bfloat16, 16, 128, 16, 2)  # [64, 256] scores

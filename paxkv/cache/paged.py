@@ -244,15 +244,15 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
     call, a copy of one layer's K/V per layer per step. Rows that do not attend this step get
     length 0, so a kernel never walks a table past the window it was given. 8-bit pools hand
     their scales along; the kernels dequantise after the load. ``mma``: decode and prefill on
-    tensor cores (:mod:`pallas_kernels.decode_mma`, :mod:`pallas_kernels.prefill_mma`) where
-    they serve the pages (bf16 / f16, no sliding window), the CUDA-core kernels elsewhere.
+    tensor cores (:mod:`pallas_kernels.tensor_cores`) where they serve the pages (bf16 / f16,
+    no sliding window), the CUDA-core kernels elsewhere.
     """
     import pallas_kernels  # noqa: PLC0415
 
     interpret = jax.default_backend() != "gpu"
     lengths = jnp.where(step.query_lengths > 0, step.lengths, 0)
     if q.shape[1] == 1 and mma and _mma_serves(pool, scores):
-        from pallas_kernels.decode_mma import paged_decode_attention_mma  # noqa: PLC0415
+        from pallas_kernels.tensor_cores.decode import paged_decode_attention_mma  # noqa: PLC0415
 
         return paged_decode_attention_mma(  # 16-bit operands, as the pages
             q[:, 0].astype(pool.k.dtype), pool.k, pool.v, block_tables, lengths, layer=layer,
@@ -263,7 +263,7 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
             q[:, 0], pool.k, pool.v, block_tables, lengths, scales=pool.scales, layer=layer,
             interpret=interpret, **scores)[:, None]
     if mma and _mma_serves(pool, scores):
-        from pallas_kernels.prefill_mma import paged_prefill_attention_mma  # noqa: PLC0415
+        from pallas_kernels.tensor_cores.prefill import paged_prefill_attention_mma  # noqa: PLC0415
 
         return paged_prefill_attention_mma(
             q.astype(pool.k.dtype), pool.k, pool.v, block_tables, lengths, step.query_lengths,
@@ -276,10 +276,10 @@ def _pallas_attend(pool: kv_pool.KVPool, layer: jax.Array, q: jax.Array,
 
 def _mma_serves(pool: kv_pool.KVPool, scores: dict) -> bool:
     """Whether the tensor-core kernels take this pool and layer's window."""
-    from pallas_kernels import mma_budget  # noqa: PLC0415 - arithmetic only
+    from pallas_kernels.tensor_cores import geometry  # noqa: PLC0415 - arithmetic only
 
-    return mma_budget.serves(pool.k.dtype, *pool.k.shape[-2:], window=scores["window"],
-                             scales=pool.scales)
+    return geometry.serves(pool.k.dtype, *pool.k.shape[-2:], window=scores["window"],
+                           scales=pool.scales)
 
 
 def create(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,

@@ -1,8 +1,7 @@
-"""What the tensor-core kernels (:mod:`pallas_kernels.decode_mma`,
-:mod:`pallas_kernels.prefill_mma`) can tile: SMEM and register budgets, defaults, why they
-refuse a geometry (then the CUDA-core kernels serve it: plain arithmetic, so a cache made with
-``attention_impl="pallas_mma"`` can ask without building a kernel), and what both wrappers
-check and allocate.
+"""What the tensor-core kernels (:mod:`.decode`, :mod:`.prefill`) can tile: SMEM and register
+budgets, defaults, why they refuse a geometry (then the CUDA-core kernels serve it: plain
+arithmetic, so a cache made with ``attention_impl="pallas_mma"`` can ask without building a
+kernel), and what both wrappers check and allocate.
 """
 
 from __future__ import annotations

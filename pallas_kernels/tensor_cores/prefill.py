@@ -34,8 +34,9 @@ from pallas_kernels import _interpret
 from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
                                     mma_state, read_layer)
 from pallas_kernels._tiles import KVTiles
-from pallas_kernels.mma_budget import ROWS, SEMANTICS, checked_geometry, operand_scratch
 from pallas_kernels.reference import default_sm_scale, paged_prefill_attention_reference
+from pallas_kernels.tensor_cores.geometry import (ROWS, SEMANTICS, checked_geometry,
+                                                  operand_scratch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,7 @@ def paged_prefill_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
       block_tables: int32 ``[batch, max_pages_per_seq]``; lengths, query_lengths: int32
         ``[batch]`` (tokens after the step, and of them this step's queries).
       layer, sm_scale, logit_soft_cap, pages_per_block, stages, semantics, interpret: as
-        :func:`pallas_kernels.decode_mma.paged_decode_attention_mma`.
+        :func:`pallas_kernels.tensor_cores.decode.paged_decode_attention_mma`.
 
     Returns:
       ``[batch, max_q_len, num_q_heads, head_dim]`` in ``q.dtype``; query slots past

@@ -33,7 +33,7 @@ through ``transpose_ref``; interpreted, :func:`pallas_kernels._stream.keys_for_s
 writes the stage's transpose into a ``[D, T]`` scratch and runs the same ``wgmma`` on it.
 Both branches lower for CUDA (``tests/test_mma_kernels.py``); only the GPU runs the first.
 The per-stage step (:func:`pallas_kernels._stream.mma_block`) is the prefill kernel's too
-(:mod:`pallas_kernels.prefill_mma`).
+(:mod:`pallas_kernels.tensor_cores.prefill`).
 
 **Stream only** (``stream_only=True``): the same copies, stages and barriers, a consumer that
 waits for each stage and computes nothing. Its bandwidth on a GPU is the ceiling of one copy
@@ -58,10 +58,10 @@ from pallas_kernels import _interpret
 from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
                                     mma_state, produce_blocks, read_layer)
 from pallas_kernels._tiles import SMEM_BUDGET_BYTES, KVTiles
-from pallas_kernels.mma_budget import (ROWS, SEMANTICS, checked_geometry, operand_scratch,
-                                       smem_bytes)
 from pallas_kernels.paged_decode import MIN_BLOCKS_PER_SPLIT, auto_num_splits, combine_splits
 from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
+from pallas_kernels.tensor_cores.geometry import (ROWS, SEMANTICS, checked_geometry,
+                                                  operand_scratch, smem_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
