@@ -1,7 +1,8 @@
 """Step programs stored beside the persistent compilation cache (:mod:`paxkv.core.stored`):
-a new process loads the exported step instead of tracing the model again, with the same
-tokens and scores; the key changes with whatever the trace reads; a model that cannot name
-itself, a broken file or a step that cannot be exported runs as plain ``jax.jit`` would."""
+a new process loads the compiled step instead of tracing, lowering and compiling it, with the
+same tokens and scores, and counts it as a load; the key changes with whatever the trace or
+the compile reads; a model that cannot name itself, a broken file, an executable that cannot
+be written or a step that cannot be compiled that way runs as plain ``jax.jit`` would."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def folder(tmp_path, monkeypatch):
     monkeypatch.setenv(stored.ENV, "on")
     before = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
-    stored._programs.clear()
+    stored.forget()
     yield tmp_path / "jax" / stored.SUBFOLDER
-    stored._programs.clear()
+    stored.forget()
     jax.config.update("jax_compilation_cache_dir", before)
 
 
@@ -73,7 +74,7 @@ def test_a_stored_step_runs_as_the_step_and_is_loaded_without_tracing(folder, tr
     assert _tokens(lm) == want
     files = sorted(folder.iterdir())
     assert files and traced[0] >= len(files)  # one export (one trace) per program
-    stored._programs.clear()
+    stored.forget()
     jax.clear_caches()  # as a new process: nothing in memory, the files on disk
     traced[0] = 0
     assert _tokens(lm) == want
@@ -106,7 +107,7 @@ def test_the_default_model_stored_gives_plain_jit_tokens_and_scores(folder, trac
     jax.config.update("jax_compilation_cache_dir", str(folder.parent))
     for clear in (False, True):
         if clear:  # as a new process
-            stored._programs.clear()
+            stored.forget()
             jax.clear_caches()
             traced[0] = 0
         tokens, scores = both()
@@ -137,7 +138,7 @@ def test_scores_through_stored_steps_equal_plain_jit(folder, traced):
     got = [r.logprob for r in paxkv.score(lm, pairs)]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     assert any(folder.iterdir())
-    stored._programs.clear()
+    stored.forget()
     jax.clear_caches()
     traced[0] = 0
     again = [r.logprob for r in paxkv.score(lm, pairs)]
@@ -184,7 +185,7 @@ def test_a_model_without_a_key_is_never_stored(folder):
     assert stored.forward_key(Mine(lm).forward) is None
     assert stored.forward_key(lambda *a: None) is None
     assert _tokens(Mine(lm)) == _tokens(lm)
-    stored._programs.clear()
+    stored.forget()
     for f in folder.iterdir():
         f.unlink()
     _tokens(Mine(lm))
@@ -197,22 +198,69 @@ def test_a_broken_file_is_stored_again(folder, caplog):
     files = sorted(folder.iterdir())
     for f in files:
         f.write_bytes(b"not a program")
-    stored._programs.clear()
+    stored.forget()
     jax.clear_caches()
     assert _tokens(lm) == want
     assert "ignoring the stored step" in caplog.text
     assert all(f.read_bytes() != b"not a program" for f in files)
 
 
-def test_a_step_that_cannot_be_exported_runs_as_jit(folder, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise ValueError("no export here")
+def _refuse(*args, **kwargs):
+    raise ValueError("not here")
 
-    monkeypatch.setattr(jax.export, "export", refuse)
+
+def test_an_executable_that_cannot_be_written_runs_unstored(folder, monkeypatch):
+    from jax.experimental import serialize_executable
+
+    monkeypatch.setattr(serialize_executable, "serialize", _refuse)
     lm = tiny_lm(scale=1.0)
     want = _tokens(lm)
     assert not folder.exists() or not any(folder.iterdir())
     assert stored.compiled(steps.decode_step) > 0 and want == _tokens(lm)
+
+
+def test_a_step_that_cannot_be_compiled_flat_runs_as_jit(folder, monkeypatch):
+    monkeypatch.setattr(stored, "_compile", _refuse)
+    lm = tiny_lm(scale=1.0)
+    want = _tokens(lm)
+    assert not folder.exists() or not any(folder.iterdir())
+    assert steps.decode_step._cache_size() > 0 and want == _tokens(lm)
+
+
+def test_a_loaded_step_counts_as_a_cache_load(folder):
+    """A fresh engine (as in a new process) loads every stored step from its file, counted
+    as a cache load, and compiles only the programs that are not steps (this folder's JAX
+    cache keeps none of them: its minimum compile time is JAX's default)."""
+    lm = tiny_lm(scale=1.0)
+
+    def paid():
+        engine = paxkv.Engine(lm, max_seqs=4, max_len=64, page_size=8)
+        for p in PROMPTS:
+            engine.submit(p, max_new_tokens=6, stop_token_ids=[])
+        engine.run()
+        return engine.stats().compiles
+
+    jax.clear_caches()
+    first = paid()
+    stored.forget()
+    jax.clear_caches()
+    second = paid()
+    files = len(list(folder.iterdir()))
+    assert files >= 2 and first.compiles > files and first.cache_loads == 0
+    assert (second.compiles, second.cache_loads) == (first.compiles - files, files)
+
+
+def test_another_machine_stores_its_own_programs(folder, monkeypatch):
+    """An executable holds machine code: another host (or other XLA flags) never loads it."""
+    from paxkv.core import program_key
+
+    lm = tiny_lm(scale=1.0)
+    want = _tokens(lm)
+    one = set(folder.iterdir())
+    stored.forget()
+    monkeypatch.setattr(program_key, "machine", lambda: "another host")
+    assert _tokens(lm) == want
+    assert set(folder.iterdir()) > one
 
 
 def test_compiled_counts_stored_and_plain_programs(folder):
@@ -221,7 +269,7 @@ def test_compiled_counts_stored_and_plain_programs(folder):
     _tokens(lm)
     n = stored.compiled(steps.prefill_step) + stored.compiled(steps.decode_step)
     assert n >= 2 and steps.decode_step._cache_size() == 0  # all ran stored
-    jax.clear_caches()
+    stored.forget()
     assert stored.compiled(steps.decode_step) == 0
 
 

@@ -11,8 +11,8 @@ plan beside it, the rounding rules, and the jitted steps that run any model over
 * :mod:`steps` — the jitted, donated prefill / decode steps and the compiled decode loop,
   written against the protocols only.
 * :mod:`compiles` — JAX's persistent compilation cache turned on, and the compiles counted.
-* :mod:`stored` — steps stored beside that cache as exported programs: a new process skips
-  tracing and lowering them.
+* :mod:`stored` — steps stored beside that cache as compiled executables: a new process skips
+  tracing, lowering and compiling them; :mod:`program_key` names them.
 
 May import: jax, numpy. Must not import any other part of paxkv, nor the kernels: everything
 else imports this.

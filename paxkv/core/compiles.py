@@ -18,8 +18,8 @@ JAX keys each entry by the program, the flags and the versions, so a stale entry
 loaded. The cache is trusted code: keep its folder private to you (JAX's own warning).
 
 JAX finds a program in that cache only after tracing and lowering it again; the engine's and
-the scorer's steps are also stored there as exported programs (:mod:`paxkv.core.stored`), so a
-later process skips both.
+the scorer's steps are also stored there as compiled executables (:mod:`paxkv.core.stored`),
+so a later process skips both.
 
 **Counting.** :func:`metered` attributes JAX's monitoring events (tracing, lowering, XLA's
 backend compile, a persistent-cache load) to the :class:`CompileStats` of whatever engine or
@@ -132,6 +132,14 @@ def _on_event(event: str, **_: Any) -> None:
         for stats in _active():
             stats.cache_loads += 1
             stats.compiles -= 1
+
+
+def loaded(seconds: float) -> None:
+    """Counts a program loaded outside JAX's cache (a stored step, :mod:`paxkv.core.stored`)
+    as a cache load of ``seconds`` for the calls running on this thread."""
+    for stats in _active():
+        stats.cache_loads += 1
+        stats.compile_seconds += seconds
 
 
 @contextlib.contextmanager

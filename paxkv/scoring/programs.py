@@ -31,13 +31,13 @@ def check_fits(shapes: Sequence[StepShape], max_seqs: int, max_len: int) -> None
                              "of the same layout")
 
 
-def compile_all(shapes: Sequence[StepShape], lower: Callable[[StepShape], Any],
+def compile_all(shapes: Sequence[StepShape], prepare: Callable[[StepShape], Any],
                 threads: int) -> CompileStats:
-    """Compiles ``lower(shape)`` (a ``jax.stages.Lowered``) for every shape, ``threads`` at a
-    time; JAX keeps each executable, so the first call of that shape runs it."""
+    """Runs ``prepare(shape)`` (compiles or loads that step's program) for every shape,
+    ``threads`` at a time; each program is kept, so the first call of that shape runs it."""
     def one(s: StepShape) -> CompileStats:
         with counting(CompileStats()) as paid:  # counting is per thread
-            lower(s).compile()
+            prepare(s)
         return paid
 
     total = CompileStats()
@@ -135,14 +135,13 @@ class Programs:
         todo = from_json(shapes) if isinstance(shapes, str) else list(shapes)
         check_fits(todo, self.ops.max_seqs, self.ops.max_len)
 
-        def lower(s: StepShape) -> Any:
+        def prepare(s: StepShape) -> None:
             fn, forward = self.program(s.kind)
             i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
-            return stored.lower(fn, forward, self.lm.params, self.ops.cache,
-                                i32(s.rows, s.width), i32(s.rows), i32(s.rows),
-                                i32(s.rows, s.extra), plan=s.plan)
+            stored.prepare(fn, forward, self.lm.params, self.ops.cache, i32(s.rows, s.width),
+                           i32(s.rows), i32(s.rows), i32(s.rows, s.extra), plan=s.plan)
 
-        paid = compile_all(todo, lower, threads)
+        paid = compile_all(todo, prepare, threads)
         for s in todo:
             self.shapes.adopt(s)
         return paid

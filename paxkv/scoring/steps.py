@@ -35,7 +35,7 @@ from paxkv.core.packing import Packing
 from paxkv.core.plan import NO_PLAN, AttentionPlan
 from paxkv.core.protocol import KVCache
 from paxkv.core.step_info import StepInfo
-from paxkv.core.stored import forward_key
+from paxkv.core.program_key import forward_key
 
 Forward = Callable[[Any, jax.Array, StepInfo, KVCache], tuple[jax.Array, KVCache]]
 
@@ -66,7 +66,7 @@ class AllLogits:
                                   packed_logits=True)
 
     def program_key(self) -> str | None:
-        """The model's forward key (:func:`paxkv.core.stored.forward_key`), or None."""
+        """The model's forward key (:func:`paxkv.core.program_key.forward_key`), or None."""
         return forward_key(self.model.forward)
 
     @property
