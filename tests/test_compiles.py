@@ -194,3 +194,19 @@ def test_short_answers_on_a_shared_prompt_decode_in_one_compiled_window():
     assert len(plans) >= 55 and all(p.prefix_pages == 4 for p in plans)
     assert len(set(plans)) == 1 and plans[0].window == 160, set(plans)
     assert tokens == run(False)[0]
+
+
+def test_prefix_holds_retain_in_one_compiled_width():
+    """Holding or dropping pages of any count compiles one program per delta (an lm-eval task
+    of new lengths compiled a retain program per power of two)."""
+    from paxkv.cache import paged
+    from paxkv.prefix import holds
+
+    cache = paged.create(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=600,
+                         page_size=4, max_seqs=2, max_len=64)
+    before = holds.retain_pages._cache_size()
+    for n in (3, 20, 100, 300):  # 300: two calls of CHUNK ids
+        cache = holds.retain(cache, [list(range(n))], 1)
+        cache = holds.retain(cache, [list(range(n))], -1)
+    assert holds.retain_pages._cache_size() - before <= 2
+    assert int(np.asarray(cache.table.ref_counts).sum()) == 0
