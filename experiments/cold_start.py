@@ -7,7 +7,10 @@ populated by an earlier process, and the same call again in a warm process.
 Each process runs in a fresh interpreter with its own cache folder (``PAXKV_COMPILE_CACHE``,
 :mod:`paxkv.core.compiles`; ``JAX_COMPILATION_CACHE_DIR`` unset), loads the default model
 (untimed), then times one call twice: the first pays the compiles, the second is warm. The
-first process meets an empty folder; a second process meets what the first wrote. Calls:
+first process meets an empty folder; ``--repeats`` more processes (3) meet what it wrote. A
+call's time moves 10-20% from one call to the next on these cores, so the populated first
+call is compared with the warm second call of the same process, and the median of those
+paired ratios is reported (with the median seconds of each). Calls:
 
 * ``generate``: prompts of real English prose (``pydoc_data.topics``), greedy, EOS ignored;
 * ``score``: (context, continuation) pairs of the same prose, two continuations a context.
@@ -28,6 +31,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+import numpy as np
 
 from experiments import common
 
@@ -82,33 +87,48 @@ def main() -> None:
     ap.add_argument("--lo", type=int, default=None)
     ap.add_argument("--hi", type=int, default=None)
     ap.add_argument("--new", type=int, default=None)
-    args = common.fill_defaults(ap.parse_args(), quick=dict(prompts=4, lo=40, hi=80, new=8),
-                                full=dict(prompts=16, lo=100, hi=300, new=32))
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="processes that meet the populated cache (3; --quick 1)")
+    args = common.fill_defaults(ap.parse_args(),
+                                quick=dict(prompts=4, lo=40, hi=80, new=8, repeats=1),
+                                full=dict(prompts=16, lo=100, hi=300, new=32, repeats=3))
     if args.child:
         print(json.dumps(child(args)))
         return
     argv = [f"--{k}={getattr(args, k)}" for k in ("prompts", "lo", "hi", "new")]
     with tempfile.TemporaryDirectory() as folder:
-        empty, populated = spawn(folder, argv), spawn(folder, argv)
+        empty = spawn(folder, argv)
+        populated = [spawn(folder, argv) for _ in range(args.repeats)]
     rows, table, equal, worst = [], [], True, 0.0
     for call in ("generate", "score"):
-        warm = min(empty[call][1]["seconds"], populated[call][1]["seconds"])
-        for label, run in (("new process, empty cache", empty[call][0]),
-                           ("new process, cache populated", populated[call][0]),
-                           ("warm (second call)", populated[call][1])):
-            if call == "generate":
-                equal &= run["answer"] == empty[call][0]["answer"]
-            else:
-                diff = max(abs(a - b) for a, b in zip(run["answer"], empty[call][0]["answer"]))
-                worst = max(worst, diff)
-                equal &= diff <= LL_TOLERANCE
-            rows.append(dict(call=call, variant=label, warm_vs_this=warm / run["seconds"],
-                             **{k: v for k, v in run.items() if k != "answer"}))
-            table.append([call, label, f"{run['seconds']:.2f}", str(run["compiles"]),
-                          str(run["loads"]), f"{run['compile_s']:.2f}",
-                          f"{warm / run['seconds']:.2f}"])
-    common.print_table(["call", "process", "wall s", "compiles", "cache loads",
-                        "compile / load s", "warm / this (speed)"], table)
+        firsts = [p[call][0] for p in populated]
+        seconds = [p[call][1] for p in populated]
+        median = lambda runs, key: float(np.median([r[key] for r in runs]))  # noqa: E731
+        paired = float(np.median([b["seconds"] / a["seconds"] for a, b in zip(firsts, seconds)]))
+        warm_s = median(seconds, "seconds")
+        for label, runs in (("new process, empty cache", [empty[call][0]]),
+                            ("new process, cache populated", firsts),
+                            ("warm (second call)", seconds)):
+            for run in runs:
+                if call == "generate":
+                    equal &= run["answer"] == empty[call][0]["answer"]
+                else:
+                    diff = max(abs(a - b) for a, b in zip(run["answer"], empty[call][0]["answer"]))
+                    worst = max(worst, diff)
+                    equal &= diff <= LL_TOLERANCE
+            wall = median(runs, "seconds")
+            speed = paired if label == "new process, cache populated" else warm_s / wall
+            rows.append(dict(call=call, variant=label, processes=len(runs), seconds=wall,
+                             each_s=[r["seconds"] for r in runs], warm_vs_this=speed,
+                             compiles=median(runs, "compiles"), loads=median(runs, "loads"),
+                             compile_s=median(runs, "compile_s")))
+            table.append([call, label, str(len(runs)), f"{wall:.2f}",
+                          f"{median(runs, 'compiles'):.0f}", f"{median(runs, 'loads'):.0f}",
+                          f"{median(runs, 'compile_s'):.2f}", f"{speed:.2f}"])
+    common.print_table(["call", "process", "processes", "median wall s", "compiles",
+                        "cache loads", "compile / load s", "warm / this (speed)"], table)
+    print("populated: the median over its processes of (second call / first call), each pair "
+          "from one process; empty: the median warm call / its first call")
     print(f"answers equal in every variant: {equal} (log-likelihoods within {worst:.1e})")
     common.finish(common.result_name("cold_start", args.quick),
                   common.record(vars(args), dict(rows=rows, answers_equal=equal, max_ll_diff=worst)), equal)
