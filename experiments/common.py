@@ -78,8 +78,25 @@ def record(config: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
     return dict(config=config, results=results, git_sha=git_sha(), jax=jax.__version__,
                 jaxlib=jaxlib, python=platform.python_version(), device=str(dev),
                 device_kind=dev.device_kind, backend=jax.default_backend(),
-                machine=f"{platform.machine()}, {os.cpu_count()} cpus",
+                machine=f"{platform.machine()}, {os.cpu_count()} cpus", cpu=cpu_model(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def cpu_model() -> str:
+    """The host CPU's model and its widest vector extension, recorded with every figure: one
+    experiment's paxkv seconds moved ~2x from one session's machine to the next (12-05), and
+    XLA:CPU's code follows the vector extensions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                 if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                  if ln.startswith("flags")), [])
+    wide = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
+    return f"{name} ({wide}{', avx512_bf16' if 'avx512_bf16' in flags else ''})"
 
 
 def write_json(name: str, data: dict[str, Any], path: str | None = None) -> str:
