@@ -15,7 +15,9 @@ on quiet cores, each loading its model untimed and then timing ``lm_eval.simple_
     hf                            A                 B                               A
     hf                            C
 
-Reported per run: seconds, paxkv's XLA compiles, persistent-cache loads and their seconds
+hf runs with torch's threads at the faster of 1 and every core on this machine
+(:func:`experiments.evaluate.hf_threads`, measured while it loads). Reported per run:
+seconds, paxkv's XLA compiles, persistent-cache loads and their seconds
 (``PaxkvLM.compile_stats``), hf / paxkv, accuracies (identical is checked) and the largest
 log-likelihood difference from hf over the requests both tokenise alike
 (:func:`experiments.evaluate.same_tokens`). Writes ``results/eval_cold.json``.
@@ -88,7 +90,8 @@ def write_set(folder: str, name: str, docs: dict[str, list[dict]]) -> list[str]:
     return names
 
 
-def child(system: str, folder: str, sets: list[str], hf_batch: int) -> dict[str, Any]:
+def child(system: str, folder: str, sets: list[str], hf_batch: int,
+          hf_threads_choice: int = 0) -> dict[str, Any]:
     """One process: load ``system`` (untimed), then evaluate each set in order."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -96,14 +99,16 @@ def child(system: str, folder: str, sets: list[str], hf_batch: int) -> dict[str,
     from paxkv import models
 
     t0 = time.perf_counter()
+    threads = None
     if system == "hf":
-        import torch
         from lm_eval.models.huggingface import HFLM
 
-        torch.set_num_threads(1)  # see experiments.evaluate's --hf-threads
+        from experiments.evaluate import hf_threads
+
         path, name = os.path.split(models.default_model_path())
         model = HFLM(pretrained=path, gguf_file=name, dtype="float32", device="cpu",
                      batch_size=hf_batch)
+        threads = hf_threads(model, hf_threads_choice)
     else:
         from paxkv.harness import PaxkvLM
 
@@ -140,7 +145,7 @@ def child(system: str, folder: str, sets: list[str], hf_batch: int) -> dict[str,
             run["same"] = [_ids(model, a) == _ids(px, a) for a in run["args"]]
     for run in runs:
         del run["args"]
-    return dict(load_s=load_s, runs=runs)
+    return dict(load_s=load_s, runs=runs, threads=threads)
 
 
 def _arguments(sample: dict) -> list[tuple[str, ...]]:
@@ -173,7 +178,7 @@ def spawn(system: str, folder: str, cache: str, sets: list[str], args: Any) -> d
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "experiments.eval_cold", "--child", system,
                            "--tasks", folder, "--sets", ",".join(sets),
-                           f"--hf-batch={args.hf_batch}"],
+                           f"--hf-batch={args.hf_batch}", f"--hf-threads={args.hf_threads}"],
                           env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode:
         raise SystemExit(done.stderr[-4000:])
@@ -190,10 +195,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--questions", type=int)
     ap.add_argument("--seed", type=int, default=35)
     ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--hf-threads", type=int, default=0,
+                    help="torch threads for hf (0: the faster of 1 and every core, measured "
+                    "by experiments.evaluate.hf_threads)")
     args = fill_defaults(ap.parse_args(argv), quick=dict(questions=8),
                          full=dict(questions=36))
     if args.child:
-        print(json.dumps(child(args.child, args.tasks, args.sets.split(","), args.hf_batch)))
+        print(json.dumps(child(args.child, args.tasks, args.sets.split(","), args.hf_batch,
+                               args.hf_threads)))
         return {}
     from paxkv import models
 
@@ -235,12 +244,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(["regime", "set", "paxkv s", "compiles", "cache loads", "compile / load s",
                  "hf s", "hf / paxkv", "target", "max |ll - hf| (requests tokenised alike)"], table)
     print(f"model load (untimed above): paxkv {px1['load_s']:.1f} / {px2['load_s']:.1f} s, "
-          f"hf {hf1['load_s']:.1f} / {hf2['load_s']:.1f} s; accuracies identical: {ok}")
+          f"hf {hf1['load_s']:.1f} / {hf2['load_s']:.1f} s; hf's torch threads "
+          f"{hf1['threads']} / {hf2['threads']}; accuracies identical: {ok}")
     data = record(dict(vars(args), lengths=lengths),
                   dict(rows=rows, load_s=dict(paxkv=[px1["load_s"], px2["load_s"]],
                                               hf=[hf1["load_s"], hf2["load_s"]]),
                        process_s=dict(paxkv=[px1["process_s"], px2["process_s"]],
                                       hf=[hf1["process_s"], hf2["process_s"]]),
+                       hf_threads=[hf1["threads"], hf2["threads"]],
                        accuracies_identical=ok))
     write_json(result_name("eval_cold", args.quick), data)
     return data

@@ -124,16 +124,41 @@ def same_tokens(hf: Any, px: Any, args: list[tuple[str, str]]) -> list[bool]:
             for a in args]
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+def hf_threads(hf: Any, choice: int) -> int:
+    """Sets torch's threads for lm-eval's ``hf`` model and returns the count: ``choice``, or
+    with 0 the faster of 1 and every core on a forward of 4 x 128 tokens (median of 3). On one
+    shared 2-core machine two OpenMP threads ran small matmuls ~15x slower than one; on the
+    machine of 12-05 two ran lm-eval 1.85x faster (56.1 vs 30.3 s): the baseline must be
+    hf at its best on the machine the figures come from."""
     import torch
+
+    if choice:
+        torch.set_num_threads(choice)
+        return choice
+    ids = torch.randint(0, 1000, (4, 128))
+    timings = {}
+    for n in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(n)
+        with torch.no_grad():
+            hf.model(ids)  # warm-up
+            runs = []
+            for _ in range(3):
+                start = time.perf_counter()
+                hf.model(ids)
+                runs.append(time.perf_counter() - start)
+        timings[n] = float(np.median(runs))
+    best = min(timings, key=timings.get)
+    torch.set_num_threads(best)
+    return best
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     from paxkv import models
     from paxkv.harness import PaxkvLM
 
-    if args.hf_threads:
-        torch.set_num_threads(args.hf_threads)
     lm = models.load()
     folder = tempfile.mkdtemp(prefix="paxkv_eval_")
     docs = dict(mc=make_docs(lm, args.questions, *args.mc_lens, seed=0),
@@ -142,8 +167,10 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     write_tasks(folder, docs, args.shots)
     manager = TaskManager(include_path=folder, include_defaults=False)
     path, name = os.path.split(models.default_model_path())
-    systems = {"hf": HFLM(pretrained=path, gguf_file=name, dtype="float32", device="cpu",
-                          batch_size=args.hf_batch),
+    hf = HFLM(pretrained=path, gguf_file=name, dtype="float32", device="cpu",
+              batch_size=args.hf_batch)
+    args.hf_threads = hf_threads(hf, args.hf_threads)
+    systems = {"hf": hf,
                "paxkv": PaxkvLM(batch_size=args.rows, page_size=args.page_size),
                "paxkv share=False": PaxkvLM(batch_size=args.rows, page_size=args.page_size,
                                             share=False)}
@@ -210,9 +237,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, default=32, help="paxkv's cache rows (batch_size)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--hf-batch", type=int, default=8)
-    ap.add_argument("--hf-threads", type=int, default=1,
-                    help="torch threads (0: torch's default). 1: on this shared 2-core machine "
-                    "two OpenMP threads ran small matmuls ~15x slower (NOTES.md)")
+    ap.add_argument("--hf-threads", type=int, default=0,
+                    help="torch threads for hf (0: the faster of 1 and every core, measured: "
+                    "hf_threads)")
     return fill_defaults(ap.parse_args(argv),
                          full=dict(questions=48, mc_lens=[300, 600], fewshot_lens=[60, 100],
                                    shots=5),
