@@ -57,32 +57,12 @@ from jax import lax
 from pallas_kernels import _interpret
 from pallas_kernels._stream import (LOG2E, KVStream, fetch_block, mma_block, mma_normalised,
                                     mma_state, produce_blocks, read_layer)
-from pallas_kernels._tiles import SMEM_BUDGET_BYTES, KVTiles
+from pallas_kernels._tiles import SMEM_BUDGET_BYTES
 from pallas_kernels.paged_decode import MIN_BLOCKS_PER_SPLIT, auto_num_splits, combine_splits
 from pallas_kernels.reference import default_sm_scale, paged_decode_attention_reference
 from pallas_kernels.tensor_cores.geometry import (ROWS, SEMANTICS, checked_geometry,
                                                   operand_scratch, smem_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    tiles: KVTiles
-    group: int
-    group_pad: int  # output rows written back: the group rounded up to 8
-    stages: int
-    num_splits: int  # each row's own blocks are shared out among them
-    min_blocks: int  # ... at least this many a split
-    sm_scale: float
-    soft_cap: float | None
-    stream_only: bool
-    producer: bool  # a second warpgroup issues every copy (warp specialisation)
-    table_span: int = 0  # block-table columns a split's producer copies to SMEM
-
-    @property
-    def max_split_blocks(self) -> int:
-        """The most blocks a split can get (a row as long as the table)."""
-        total = -(-self.tiles.max_pages // self.tiles.pages_per_block)
-        return max(-(-total // self.num_splits), self.min_blocks)
+from pallas_kernels.tensor_cores.program import ComputeSmem, DecodeSpec, RowShare
 
 
 # ---------------------------------------------------------------- layer 1: kernel body
@@ -90,7 +70,7 @@ class _Spec:
 
 def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_smem, kt_smem,
             p_smem, o_smem, stats_smem, q_bar, kv_bars, consumed, table_smem, table_bar,
-            spec: _Spec, lay: _interpret.Layouts):
+            spec: DecodeSpec, lay: _interpret.Layouts):
     # q_ref:     [batch, kv_heads, 64, head_dim] GMEM (the group, zero rows below it)
     # kv_refs:   (k, v) [layers, num_pages, kv_heads, page_size, head_dim] GMEM
     # ints_ref:  int32 [1] (layer); bt_ref int32 [batch, max_pages]; len_ref int32 [batch]
@@ -116,36 +96,37 @@ def _kernel(q_ref, kv_refs, ints_ref, bt_ref, len_ref, *outs, q_smem, k_smem, v_
     layer = read_layer(tiles, ints_ref)
     st = KVStream(kv_refs[0], kv_refs[1], None, bt_ref, k_smem, v_smem, None, kv_bars)
 
+    share = RowShare(b, h, split, length, start, n_blocks, live_pages, layer)
+    smem = ComputeSmem(q_smem, kt_smem, p_smem, o_smem, stats_smem, q_bar,
+                 consumed if spec.producer else None)
     if spec.producer:  # warpgroup 1 copies, warpgroup 0 (below) computes
         producing = lax.axis_index("wg") == 1
         pl.when(producing)(functools.partial(produce_blocks, tiles, st, layer, b, h, start,
                                              n_blocks, live_pages, consumed, spec.stages,
                                              table_smem, table_bar))
-        pl.when(~producing)(functools.partial(_consume, q_ref, outs, b, h, split, length,
-                                              start, n_blocks, st, layer, live_pages, q_smem,
-                                              kt_smem, p_smem, o_smem, stats_smem, q_bar,
-                                              consumed, spec, lay))
+        pl.when(~producing)(functools.partial(_consume, q_ref, outs, share, st, smem, spec,
+                                              lay))
     else:
-        _consume(q_ref, outs, b, h, split, length, start, n_blocks, st, layer, live_pages,
-                 q_smem, kt_smem, p_smem, o_smem, stats_smem, q_bar, None, spec, lay)
+        _consume(q_ref, outs, share, st, smem, spec, lay)
 
 
-def _consume(q_ref, outs, b, h, split, length, start, n_blocks, st: KVStream, layer,
-             live_pages, q_smem, kt_smem, p_smem, o_smem, stats_smem, q_bar, consumed,
-             spec: _Spec, lay: _interpret.Layouts) -> None:
+def _consume(q_ref, outs, share: RowShare, st: KVStream, smem: ComputeSmem, spec: DecodeSpec,
+             lay: _interpret.Layouts) -> None:
     """The compute side: waits for each stage, runs :func:`mma_block`, writes the output.
-    Without a producer (``consumed`` None) it also keeps the ring ``stages - 1`` blocks
+    Without a producer (``smem.consumed`` None) it also keeps the ring ``stages - 1`` blocks
     ahead itself."""
     tiles = spec.tiles
     t, d = tiles.block_tokens, tiles.head_dim
+    b, h, start, n_blocks, layer = share.b, share.h, share.start, share.n_blocks, share.layer
+    q_smem, o_smem, consumed = smem.q, smem.o, smem.consumed
 
     @pl.when(n_blocks > 0)
     def _prologue():
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, smem.q_bar.at[0])
         for i in range(0 if consumed is not None else spec.stages - 1):
             pl.when(i < n_blocks)(functools.partial(
-                fetch_block, tiles, st, layer, b, h, start + i, live_pages, i))
-        plgpu.barrier_wait(q_bar.at[0])
+                fetch_block, tiles, st, layer, b, h, start + i, share.live_pages, i))
+        plgpu.barrier_wait(smem.q_bar.at[0])
 
     scale = spec.sm_scale * (1.0 if spec.soft_cap else LOG2E)
 
@@ -157,15 +138,15 @@ def _consume(q_ref, outs, b, h, split, length, start, n_blocks, st: KVStream, la
             @pl.when(ahead < n_blocks)
             def _refill():
                 plgpu.commit_smem()  # every read of the stage block j - 1 used is done
-                fetch_block(tiles, st, layer, b, h, start + ahead, live_pages,
+                fetch_block(tiles, st, layer, b, h, start + ahead, share.live_pages,
                             lax.rem(ahead, spec.stages))
 
         plgpu.barrier_wait(st.bars.at[slot])
         if not spec.stream_only:
             kpos0 = (start + j) * t
-            visible = lay.iota((ROWS, t), 1, lay.tile) + kpos0 < length
+            visible = lay.iota((ROWS, t), 1, lay.tile) + kpos0 < share.length
             carry = mma_block(lay, carry, q_smem, st.k_smem.at[slot], st.v_smem.at[slot],
-                              kt_smem, p_smem, visible, kpos0, length, scale=scale,
+                              smem.kt, smem.p, visible, kpos0, share.length, scale=scale,
                               soft_cap=spec.soft_cap)
         if consumed is not None:
             plgpu.commit_smem()
@@ -182,18 +163,19 @@ def _consume(q_ref, outs, b, h, split, length, start, n_blocks, st: KVStream, la
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, spec.group_pad)], outs[0].at[b, h])
     else:
         o_smem[...] = o
-        stats_smem[0] = m * (1.0 / LOG2E)  # back to base e for combine_splits
-        stats_smem[1] = l
+        smem.stats[0] = m * (1.0 / LOG2E)  # back to base e for combine_splits
+        smem.stats[1] = l
         plgpu.commit_smem()
+        split = share.split
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, spec.group_pad)], outs[0].at[b, h, split])
-        plgpu.copy_smem_to_gmem(stats_smem, outs[1].at[b, h, split])
+        plgpu.copy_smem_to_gmem(smem.stats, outs[1].at[b, h, split])
     plgpu.wait_smem_to_gmem(0)
 
 
 # ---------------------------------------------------------------- layer 2: call builder
 
 
-def _call(spec: _Spec, batch: int, num_kv_heads: int, interpret, semantics: str):
+def _call(spec: DecodeSpec, batch: int, num_kv_heads: int, interpret, semantics: str):
     tiles = spec.tiles
     d, dtype = tiles.head_dim, tiles.dtype
     interpret = _interpret.interpret_params(interpret)
@@ -281,8 +263,9 @@ def paged_decode_attention_mma(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     splits = num_splits or auto_num_splits(batch, num_kv_heads, total_blocks)
     if min_blocks_per_split < 1:
         raise ValueError(f"min_blocks_per_split={min_blocks_per_split}: use 1 or more")
-    spec = _Spec(tiles, group, pl.cdiv(group, 8) * 8, stages, splits, min_blocks_per_split,
-                 default_sm_scale(head_dim, sm_scale), logit_soft_cap, stream_only, producer)
+    spec = DecodeSpec(tiles, group, pl.cdiv(group, 8) * 8, stages, splits,
+                      min_blocks_per_split, default_sm_scale(head_dim, sm_scale),
+                      logit_soft_cap, stream_only, producer)
     q_rows = jnp.zeros((batch, num_kv_heads, ROWS, head_dim), q.dtype)
     q_rows = q_rows.at[:, :, :group].set(q.reshape(batch, num_kv_heads, group, head_dim))
     if producer:  # a split's table columns move in one copy: pad so none leaves the table
