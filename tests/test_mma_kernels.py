@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_pallas_kernels import (INTERPRET, Case, assert_rows_close, edge_lengths, make_pool,
-                                 ready)
+from test_pallas_kernels import (INTERPRET, Case, assert_rows_close, check_decode,
+                                 lowered_attend, make_pool, ready)
 
 from pallas_kernels import _interpret
 from pallas_kernels.reference import (paged_decode_attention_reference,
@@ -63,21 +63,7 @@ def _run(q, pages, table, lengths, **kw):
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_mma_decode_matches_reference_on_poisoned_pages(case):
-    lengths = edge_lengths(case.page_size, 3 * 64 + 5)
-    clean, poisoned, table, lengths = make_pool(0, case, lengths)
-    q = jax.random.normal(jax.random.key(1), (len(lengths), case.num_kv_heads * case.group,
-                                              case.head_dim), case.dtype)
-    kw = dict(case.kwargs)
-    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "logit_soft_cap")}
-    out = _run(q, poisoned, table, lengths, **kw)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    if case.clean_run:
-        np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                      np.asarray(_run(q, clean, table, lengths, **kw),
-                                                 np.float32))
-    assert not np.asarray(out[0], np.float32).any(), "a length-0 row must be exactly zero"
-    ref = paged_decode_attention_reference(q, *clean, table, lengths, **ref_kw)
-    assert_rows_close(out, ref, case.dtype, row_axes=(0, 1))
+    check_decode(paged_decode_attention_mma, case)
 
 
 def test_mma_decode_reads_its_layer_of_the_pool():
@@ -347,25 +333,5 @@ def test_pallas_mma_cache_lowers_decode_and_prefill_to_the_tensor_core_kernels(m
     cache = paged_cache.create(num_layers=4, num_kv_heads=2, head_dim=64, num_pages=8,
                                page_size=16, max_seqs=2, max_len=64, dtype=jnp.bfloat16,
                                attention_impl="pallas_mma")
-
-    def decode_layer(cache, q, k, v, layer):
-        step = StepInfo.make(cache.lengths, jnp.ones((2,), jnp.int32), 1)
-        return cache.attend(layer, q, k, v, step)
-
-    q = jax.ShapeDtypeStruct((2, 1, 6, 64), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 1, 2, 64), jnp.bfloat16)
-    lowered = jax.jit(decode_layer, donate_argnums=0).trace(
-        cache, q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32)).lower(
-        lowering_platforms=("cuda",))
-    assert "paged_decode_mma" in lowered.as_text(debug_info=True)
-    prefill = jax.ShapeDtypeStruct((2, 16, 6, 64), jnp.bfloat16)
-    kv16 = jax.ShapeDtypeStruct((2, 16, 2, 64), jnp.bfloat16)
-
-    def prefill_layer(cache, q, k, v, layer):
-        step = StepInfo.make(cache.lengths + 16, jnp.full((2,), 16, jnp.int32), 16)
-        return cache.attend(layer, q, k, v, step)
-
-    lowered = jax.jit(prefill_layer, donate_argnums=0).trace(
-        cache, prefill, kv16, kv16, jax.ShapeDtypeStruct((), jnp.int32)).lower(
-        lowering_platforms=("cuda",))
-    assert "paged_prefill_mma" in lowered.as_text(debug_info=True)
+    assert "paged_decode_mma" in lowered_attend(cache, 1, debug_info=True)
+    assert "paged_prefill_mma" in lowered_attend(cache, 16, debug_info=True)

@@ -126,24 +126,32 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
-def test_decode_matches_reference(case):
+def check_decode(kernel, case: Case) -> None:
+    """``kernel`` (``paged_decode_attention``'s signature) on ``case``'s edge lengths over a
+    NaN-poisoned pool: the oracle's output on the clean pool, exact zeros for the length-0
+    row, and (``case.clean_run``) the clean pool's output bit for bit."""
     lengths = edge_lengths(case.page_size, 3 * 64 + 5)
     clean, poisoned, table, lengths = make_pool(0, case, lengths)
     q = jax.random.normal(jax.random.key(1), (len(lengths), case.num_kv_heads * case.group,
                                               case.head_dim), case.dtype)
     kw = dict(case.kwargs)
     ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "logit_soft_cap")}
-    out = ready(paged_decode_attention(q, *poisoned, table, lengths, interpret=INTERPRET, **kw))
-    ref = paged_decode_attention_reference(q, *clean, table, lengths, **ref_kw)
+    def run(pages):
+        return ready(kernel(q, *pages, table, lengths, interpret=INTERPRET, **kw))
+
+    out = run(poisoned)
     assert out.shape == q.shape and out.dtype == q.dtype
     if case.clean_run:
-        out_clean = ready(paged_decode_attention(q, *clean, table, lengths,
-                                                 interpret=INTERPRET, **kw))
         np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                      np.asarray(out_clean, np.float32))
-    assert not np.asarray(out[0]).any(), "a length-0 row must be exactly zero"
+                                      np.asarray(run(clean), np.float32))
+    assert not np.asarray(out[0], np.float32).any(), "a length-0 row must be exactly zero"
+    ref = paged_decode_attention_reference(q, *clean, table, lengths, **ref_kw)
     assert_rows_close(out, ref, case.dtype, row_axes=(0, 1))
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_decode_matches_reference(case):
+    check_decode(paged_decode_attention, case)
 
 
 PREFILL_CASES = [
@@ -815,6 +823,21 @@ def test_windowed_kernels_lower_for_cuda_under_both_semantics(name):
 POOL = jax.ShapeDtypeStruct((4, 64, 2, 16, 64), jnp.bfloat16)  # [layers, pages, kvh, ps, d]
 LAYER = jax.ShapeDtypeStruct((), jnp.int32)
 _MLIR_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int8": "i8"}
+
+
+def lowered_attend(cache, q_len: int, debug_info: bool = False) -> str:
+    """The HLO of one ``cache.attend`` of ``q_len`` new tokens a row (1: a decode step) for a
+    cache of 2 rows, 2 kv heads, head_dim 64 and 6 query heads, lowered for CUDA (the caller
+    patches ``jax.default_backend`` to "gpu"); ``debug_info``: with locations (kernel names)."""
+    def layer_step(cache, q, k, v, layer):
+        step = StepInfo.make(cache.lengths + q_len, jnp.full((2,), q_len, jnp.int32), q_len)
+        return cache.attend(layer, q, k, v, step)
+
+    q = jax.ShapeDtypeStruct((2, q_len, 6, 64), cache.pool.k.dtype)
+    kv = jax.ShapeDtypeStruct((2, q_len, 2, 64), cache.pool.k.dtype)
+    return jax.jit(layer_step, donate_argnums=0).trace(
+        cache, q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text(debug_info=debug_info)
 
 
 def mlir_type(x) -> str:

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 import paxkv
 from paxkv.cache import paged as paged_cache
-from paxkv.core.step_info import StepInfo
-from test_pallas_kernels import custom_call_operands, mlir_type, pool_slices
+from test_pallas_kernels import (custom_call_operands, lowered_attend, mlir_type,
+                                 pool_slices)
 
 
 def test_pallas_generates_the_xla_greedy_tokens(lm):
@@ -39,17 +39,7 @@ def test_attend_hands_the_whole_pool_to_the_kernels(monkeypatch):
                                page_size=16, max_seqs=2, max_len=64, dtype=jnp.bfloat16,
                                attention_impl="pallas")
     assert cache.pool.k.dtype == jnp.bfloat16
-
-    def decode_layer(cache, q, k, v, layer):
-        step = StepInfo.make(cache.lengths, jnp.ones((2,), jnp.int32), 1)
-        return cache.attend(layer, q, k, v, step)
-
-    q = jax.ShapeDtypeStruct((2, 1, 6, 64), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 1, 2, 64), jnp.bfloat16)
-    lowered = jax.jit(decode_layer, donate_argnums=0).trace(
-        cache, q, kv, kv, jax.ShapeDtypeStruct((), jnp.int32)).lower(
-        lowering_platforms=("cuda",))
-    hlo = lowered.as_text()
+    hlo = lowered_attend(cache, 1)
     pool = cache.pool.k
     operands = custom_call_operands(hlo)
     assert len(operands) == 2, "write_kv and the decode kernel"

@@ -15,8 +15,9 @@ tree; the ``donate``-th argument's buffers are donated as the step donates them.
 
 **When.** Only with the persistent cache on and ``$PAXKV_STORE_STEPS`` not "off"
 (:func:`folder`), on one device (a mesh keeps its own placement: called directly), and for a
-``forward`` that names itself (:func:`forward_key`). A step whose executable cannot be
-serialized is called directly, once tried.
+``forward`` that names itself (:func:`forward_key`). A step that cannot be compiled as a
+flat program is called directly, once tried; one whose executable cannot be written runs
+from memory, unstored.
 
 **The key** (a SHA-256 file name) holds what a trace or a compile reads: the step, the
 forward's key, the argument tree (the cache's static layout included), each leaf's shape and
