@@ -327,3 +327,42 @@ def test_a_step_on_a_mesh_keeps_its_placement_and_is_not_stored(folder):
     rid = engine.submit([5, 6, 7], max_new_tokens=3)
     assert len(engine.run()[rid].token_ids) == 3
     assert not folder.exists() or not any(folder.iterdir())
+
+
+def test_warm_up_stores_its_programs_and_a_new_scorer_loads_them(folder):
+    """``Scorer.warm_up`` through stored steps, their files deleted while JAX's cache keeps
+    the programs: each is compiled once, however many threads ask for it at once (every shape
+    is listed twice here), and written; a scorer in
+    a "new process" loads every one (counted as loads, none compiled) and its first request
+    compiles no step and scores the same."""
+    lm = tiny_lm(scale=1.0)
+    pairs = [(tuple(range(1, 30)), (40, 41, 42)), (tuple(range(1, 30)), (7,)),
+             (tuple(range(50, 61)), (3, 4, 5, 6, 7))]
+
+    def scorer():
+        return paxkv.Scorer(lm, max_seqs=4, max_len=64, num_pages=40, remember_shapes=False)
+
+    first = scorer()
+    want = [r.logprob for r in first.score(pairs)]
+    shapes = first.programs.shapes.shapes()
+    stored.forget()
+    jax.clear_caches()
+    for f in folder.iterdir():
+        f.unlink()
+    warmed = scorer()
+    paid = warmed.warm_up(shapes + shapes, threads=2)
+    # XLA compiles each once; JAX's own cache, which the first scorer filled, is read (a
+    # reloaded executable is not written: its kernels would be missing in the next process)
+    assert paid.compiles == len(shapes) and len(list(folder.iterdir())) == len(shapes)
+    stored.forget()
+    jax.clear_caches()
+    fresh = scorer()
+    paid = fresh.warm_up(shapes, threads=2)
+    assert (paid.compiles, paid.cache_loads) == (0, len(shapes))
+    got = [r.logprob for r in fresh.score(pairs)]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    from paxkv.scoring import steps as scoring_steps
+
+    # every step ran a loaded program: neither jitted step traced or compiled one of its own
+    assert scoring_steps.scored._cache_size() == scoring_steps.scored_last._cache_size() == 0
+    assert len(list(folder.iterdir())) == len(shapes)

@@ -60,6 +60,7 @@ class Program:
 
     run: Callable[..., Any]
     out_tree: Any
+    stores: bool = True  # compiled by XLA here (False: reloaded, which cannot be written)
 
 
 _programs: dict[Any, Program | None] = {}  # in-process: None = call the step directly
@@ -102,23 +103,39 @@ def _donated(tree: Any, leaves: list[Any], donate: int | None) -> tuple[int, ...
 
 
 def _compile(step: Any, forward: Any, tree: Any, avals: tuple[Any, ...],
-             static: dict[str, Any], donate: int | None, device: Any) -> Program:
+             static: dict[str, Any], donate: int | None, device: Any, name: str) -> Program:
     """Traces, lowers and compiles ``step`` as a program of the arguments' leaves, placed on
     ``device`` (a fresh, uncommitted cache and a step's committed output would otherwise be
-    two programs)."""
+    two programs), named after its key ``name``.
+
+    The executable must come from XLA, not from JAX's persistent cache: one loaded from there
+    serializes without its kernels (a later process failed with "Function ... not found").
+    The name keeps JAX's entries of one key apart from every other key's; where JAX's cache
+    still has this one (its file deleted, or broken and written again), it compiles once more
+    under a name no entry has."""
     out_tree = []
 
-    def flat(*flat_args: Any) -> list[Any]:
-        out = step(forward, *jax.tree_util.tree_unflatten(tree, list(flat_args)), **static)
-        leaves_out, treedef = jax.tree_util.tree_flatten(out)
-        out_tree.append(treedef)
-        return leaves_out
+    def program(label: str) -> Any:
+        def flat(*flat_args: Any) -> list[Any]:
+            out = step(forward, *jax.tree_util.tree_unflatten(tree, list(flat_args)), **static)
+            leaves_out, treedef = jax.tree_util.tree_flatten(out)
+            out_tree.append(treedef)
+            return leaves_out
 
-    on = jax.sharding.SingleDeviceSharding(device)
-    specs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in avals]
-    run = jax.jit(flat, in_shardings=on, out_shardings=on,
-                  donate_argnums=_donated(tree, specs, donate)).lower(*specs).compile()
-    return Program(run, out_tree[0])
+        flat.__name__ = flat.__qualname__ = label  # JAX's cache keys the module by it
+        on = jax.sharding.SingleDeviceSharding(device)
+        specs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+                 for shape, dtype, weak in avals]
+        lowered = jax.jit(flat, in_shardings=on, out_shardings=on,
+                          donate_argnums=_donated(tree, specs, donate)).lower(*specs)
+        with compiles.counting(compiles.CompileStats()) as paid:
+            run = lowered.compile()
+        return run, paid.cache_loads == 0
+
+    run, fresh = program(f"paxkv_step_{name[:16]}")
+    if not fresh:
+        run, fresh = program(f"paxkv_step_{name[:16]}_{os.getpid()}_{time.time_ns()}")
+    return Program(run, out_tree[-1], stores=fresh)
 
 
 def _load(path: str, device: Any) -> Program | None:
@@ -169,11 +186,12 @@ def _program(step: Any, forward: Any, fkey: str, tree: Any, static: dict[str, An
     program = _load(path, device)
     if program is None:
         try:
-            program = _compile(step, forward, tree, avals, static, donate, device)
+            program = _compile(step, forward, tree, avals, static, donate, device, name)
         except Exception as e:  # noqa: BLE001 (not compilable this way: run it as jit would)
             log.info("paxkv: %s is not stored (%s: %s)", step.__qualname__, type(e).__name__, e)
             return None
-        _save(path, program)
+        if program.stores:
+            _save(path, program)
     return program
 
 
