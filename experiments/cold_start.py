@@ -92,6 +92,8 @@ def main() -> None:
     args = common.fill_defaults(ap.parse_args(),
                                 quick=dict(prompts=4, lo=40, hi=80, new=8, repeats=1),
                                 full=dict(prompts=16, lo=100, hi=300, new=32, repeats=3))
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: at least 1 process must meet the populated cache")
     if args.child:
         print(json.dumps(child(args)))
         return

@@ -366,3 +366,18 @@ def test_warm_up_stores_its_programs_and_a_new_scorer_loads_them(folder):
     # every step ran a loaded program: neither jitted step traced or compiled one of its own
     assert scoring_steps.scored._cache_size() == scoring_steps.scored_last._cache_size() == 0
     assert len(list(folder.iterdir())) == len(shapes)
+
+
+def test_a_file_that_cannot_be_renamed_leaves_no_partial_file(folder, monkeypatch):
+    """A failed write (here the rename into place) runs the step unstored and leaves no
+    temporary file behind in the folder."""
+    def refuse(src, dst):
+        raise OSError("read-only")
+
+    lm = tiny_lm(scale=1.0)
+    with monkeypatch.context() as patched:
+        patched.setattr(stored.os, "replace", refuse)
+        want = _tokens(lm)
+    assert not folder.exists() or not any(folder.iterdir())
+    stored.forget()
+    assert _tokens(lm) == want and any(folder.iterdir())  # written once it can be

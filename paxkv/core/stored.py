@@ -172,8 +172,9 @@ def _save(path: str, program: Program) -> None:
         log.warning("paxkv: cannot store a step program in %s (%s)", path, e)
     except Exception as e:  # noqa: BLE001 (an executable or a tree it cannot write)
         log.info("paxkv: a step program cannot be stored (%s: %s)", type(e).__name__, e)
+    finally:
         with contextlib.suppress(OSError):
-            os.remove(tmp)
+            os.remove(tmp)  # left only by a failure: a stored file was renamed away
 
 
 def _program(step: Any, forward: Any, fkey: str, tree: Any, static: dict[str, Any],
