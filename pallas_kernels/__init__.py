@@ -10,22 +10,40 @@ Both contractions on tensor cores (WGMMA), for bfloat16 / float16 pages, are in
 :mod:`pallas_kernels.tensor_cores` (imported from there: a cache loads them only when made
 with ``attention_impl="pallas_mma"``); not yet the caches' default: they wait for a GPU
 measurement.
+
+The names below load their module on first use (PEP 562): ``import pallas_kernels``, and the
+storage format a CPU cache needs (``from pallas_kernels import quant, kv_storage``), load no
+Pallas and no Mosaic GPU; ``pallas_kernels.paged_decode_attention`` loads its kernel.
 """
 
-from pallas_kernels.kv_write import copy_pages, copy_pages_reference, write_kv, write_kv_reference
-from pallas_kernels.paged_decode import paged_decode_attention
-from pallas_kernels.paged_prefill import paged_prefill_attention
-from pallas_kernels.reference import (dense_attention_reference, paged_decode_attention_reference,
-                                      paged_prefill_attention_reference)
+from __future__ import annotations
 
-__all__ = [
-    "copy_pages",
-    "copy_pages_reference",
-    "dense_attention_reference",
-    "paged_decode_attention",
-    "paged_decode_attention_reference",
-    "paged_prefill_attention",
-    "paged_prefill_attention_reference",
-    "write_kv",
-    "write_kv_reference",
-]
+import importlib
+from typing import Any
+
+_HOMES = {  # public name -> the submodule that defines it
+    "copy_pages": "kv_write",
+    "copy_pages_reference": "kv_write",
+    "dense_attention_reference": "reference",
+    "paged_decode_attention": "paged_decode",
+    "paged_decode_attention_reference": "reference",
+    "paged_prefill_attention": "paged_prefill",
+    "paged_prefill_attention_reference": "reference",
+    "write_kv": "kv_write",
+    "write_kv_reference": "kv_write",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'pallas_kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"pallas_kernels.{home}"), name)
+    globals()[name] = value  # later reads skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

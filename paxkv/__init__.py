@@ -37,7 +37,7 @@ from paxkv.core.step_info import StepInfo
 from paxkv.decoding.beam_search import Beam, beam_search
 from paxkv.decoding.generate import generate
 from paxkv.engine import Engine, EngineStats, GenerationResult, SequenceStats, StepOutput, policy
-from paxkv.engine import routing as shard_routing
+from paxkv.scale import routing as shard_routing
 from paxkv.prefix import index as prefix_cache
 from paxkv.prefix.index import PrefixIndex
 from paxkv.scale import distributed, mesh, sharded_cache, tensor_parallel
@@ -56,3 +56,6 @@ __all__ = [
 from paxkv.scoring import Scorer, ScoreResult, score, score_rolling  # noqa: E402
 
 __all__ += ["ScoreResult", "Scorer", "score", "score_rolling"]
+
+# RL rollouts and the trainer's side (group rollouts, log-probabilities, GRPO): paxkv.rl.
+from paxkv import rl  # noqa: E402

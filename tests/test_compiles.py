@@ -183,7 +183,7 @@ def test_short_answers_on_a_shared_prompt_decode_in_one_compiled_window():
         engine = paxkv.Engine(lm, max_seqs=8, max_len=160, page_size=8,
                               prefix_cache=prefix_cache)
         plans, decode = [], engine.scheduler.ops.decode
-        engine.scheduler.ops.decode = lambda *a: plans.append(a[4]) or decode(*a)
+        engine.scheduler.ops.decode = lambda *a: plans.append(a[5]) or decode(*a)
         ids = [engine.submit(p, max_new_tokens=60, stop_token_ids=[]) for p in prompts]
         out = engine.run()
         engine.clear_prefix_cache()
@@ -197,8 +197,9 @@ def test_short_answers_on_a_shared_prompt_decode_in_one_compiled_window():
 
 
 def test_prefix_holds_retain_in_one_compiled_width():
-    """Holding or dropping pages of any count compiles one program per delta (an lm-eval task
-    of new lengths compiled a retain program per power of two)."""
+    """Holding or dropping pages of any count compiles one program (an lm-eval task of new
+    lengths compiled a retain program per power of two; +1 and -1 compiled one each, so a
+    weight update's first clear of the prefix cache compiled)."""
     from paxkv.cache import paged
     from paxkv.prefix import holds
 
@@ -208,5 +209,5 @@ def test_prefix_holds_retain_in_one_compiled_width():
     for n in (3, 20, 100, 300):  # 300: two calls of CHUNK ids
         cache = holds.retain(cache, [list(range(n))], 1)
         cache = holds.retain(cache, [list(range(n))], -1)
-    assert holds.retain_pages._cache_size() - before <= 2
+    assert holds.retain_pages._cache_size() - before <= 1
     assert int(np.asarray(cache.table.ref_counts).sum()) == 0

@@ -182,6 +182,53 @@ def test_a_pinned_prefix_outlives_a_flood():
     _no_leaks(e)
 
 
+def test_a_refused_pin_pins_nothing_in_either_tier():
+    """16 pages fit the device's pin room (half of 40) but not a 12-page host tier: the pin
+    raises and neither tier keeps any of it; 24 pages, past both, neither."""
+    e = _engine(12 * _engine(0).cache.kv_bytes_per_page)
+    prompt = list(range(10, 10 + 24 * PAGE))
+    with pytest.raises(ValueError, match="raise host_cache_bytes"):
+        e.pin_prefix(prompt[:16 * PAGE])
+    assert not e.prefixes.pinned and not e.prefixes.host.pinned
+    with pytest.raises(ValueError, match="past the host tier's 12|past half the pool"):
+        e.pin_prefix(prompt)
+    assert not e.prefixes.pinned and not e.prefixes.host.pinned
+    assert e.pin_prefix(prompt[:8 * PAGE]) == 8
+    assert e.prefixes.pinned == e.prefixes.host.pinned and len(e.prefixes.pinned) == 8
+    _no_leaks(e)
+
+
+@pytest.mark.parametrize("host_bytes, lengths", [(0, [100, 60]), (1 << 20, [150] * 3)],
+                         ids=["device", "tiered"])
+def test_warm_up_keeps_the_prefix_cache_and_its_pins(host_bytes, lengths):
+    """A cached prompt and a pinned one, then a warm-up: its placeholders' pages all go (from
+    the host tier too) and both prompts hit after it. "tiered": the placeholders overflow the
+    pool, evicting the cached prompt to host (it comes back from there) and their own pages
+    (dropped from host after)."""
+    e = _engine(host_bytes)
+    rng = np.random.default_rng(5)
+    cached, pinned = ([int(t) for t in rng.integers(10, 250, 40)] for _ in range(2))
+    for prompt in (cached, pinned):
+        e.submit(prompt + [1], max_new_tokens=2, stop_token_ids=[])
+        e.run()
+    assert e.pin_prefix(pinned) == 5
+    before, free = e.stats(), int(e.cache.free_pages())
+    e.warm_up(lengths, max_new_tokens=3)
+    after = e.stats()
+    assert len(e.prefixes.pinned) == 5
+    if host_bytes:
+        assert after.host.pages == 5 and e.prefixes.host.stats().pinned_pages == 0
+        assert all(entry.salt == b"" for entry in e.prefixes.host._entries.values())
+    else:
+        assert after.cached_pages == before.cached_pages and int(e.cache.free_pages()) == free
+    for prompt in (cached, pinned):
+        hits = e.stats().prefix_hit_tokens
+        e.submit(prompt + [2], max_new_tokens=2, stop_token_ids=[])
+        e.run()
+        assert e.stats().prefix_hit_tokens - hits == 40
+    _no_leaks(e)
+
+
 def test_bad_host_arguments_name_the_fix():
     lm = _lm()
     with pytest.raises(ValueError, match="host_cache_bytes"):
@@ -195,11 +242,13 @@ def test_bad_host_arguments_name_the_fix():
 
 
 # -- the tier's own bookkeeping ------------------------------------------------------------
-def _chain(salt: bytes, pages: list[tuple[int, ...]]) -> list[tuple[bytes, bytes, tuple, int]]:
+def _chain(salt: bytes, pages: list[tuple[int, ...]]) -> list[tuple]:
+    """``pages``' chain as :attr:`paxkv.prefix.index.PrefixIndex.dropped` names it: (digest,
+    parent digest, tokens, position, salt) per page."""
     parent, out = root_digest(salt), []
     for i, tokens in enumerate(pages):
         digest = hashlib.sha256(parent + salt + bytes(tokens)).digest()
-        out.append((digest, parent, tokens, i))
+        out.append((digest, parent, tokens, i, salt))
         parent = digest
     return out
 
@@ -223,6 +272,29 @@ def test_a_later_copy_lands_first_when_read_first():
     assert len(tier.store._pending) == 1  # a's copy: not landed by the read of b's page
     assert tier.settle(block=True) == 0
     np.testing.assert_array_equal(tier.read([a[2][0]])[1][:, 0], 2.0)
+
+
+def test_in_flight_counts_pages_on_either_memory_kind():
+    """Three pages of two pool arrays, still being computed (a slow step ahead of them):
+    both stores report 3 in flight (pages: not the 6 arrays of pinned memory, nor numpy's 1
+    transfer), then 0 once landed."""
+    import jax  # noqa: PLC0415
+
+    @jax.jit
+    def slow(x):  # ~1 s of CPU: the pages are not ready when put
+        s = jax.lax.fori_loop(0, 2000, lambda i, a: jnp.tanh(a @ a.T / 100.0), x).sum()
+        data = jnp.broadcast_to(jnp.arange(3.0)[None, :, None], (2, 3, 3))
+        return data + 0.0 * s, data - 0.0 * s
+
+    x = jnp.ones((256, 256))
+    jax.block_until_ready(slow(x))  # compiled: the next call is dispatched at once
+    arrays = slow(x)
+    tiers = [HostTier(4, 100, memory_kind=kind) for kind in ("pinned_host", "numpy")]
+    for tier in tiers:
+        assert tier.put(_chain(b"", [(1,), (2,), (3,)]), arrays) == [0, 1, 2]
+    assert [t.stats().in_flight for t in tiers] == [3, 3]
+    assert [t.settle(block=True) for t in tiers] == [0, 0]
+    assert [t.stats().in_flight for t in tiers] == [0, 0]
 
 
 def test_pinned_pages_round_trip_and_free_on_drop():
@@ -296,6 +368,17 @@ def test_pins_hold_and_time_to_live_ages_chains_from_their_tails():
         tier.pin([d for d, *_ in _chain(b"", [(i,) for i in range(4)])])
     with pytest.raises(ValueError, match="host_ttl_s"):
         HostTier(3, 100, ttl_s=0)
+
+
+def test_drop_salt_forgets_that_salts_entries_only():
+    tier = HostTier(6, 100)
+    a, x = _chain(b"", [(1,), (2,)]), _chain(b"x", [(1,), (2,), (3,)])
+    _put(tier, a[::-1])
+    _put(tier, x[::-1])
+    tier.pin([x[0][0]])
+    assert tier.drop_salt("x") == 3 and len(tier) == 2 and all(d in tier for d, *_ in a)
+    assert tier.stats().dropped == 0 and x[0][0] in tier.pinned  # a pin names a digest
+    assert tier.drop_salt(b"y") == 0 and _put(tier, x) == [0, 1, 2]  # their slots are free
 
 
 # -- the device side: restore_pages over random pools ---------------------------------------

@@ -306,7 +306,7 @@ def test_model_axis_errors_name_the_fix():
 def test_pick_row_takes_the_least_loaded_shard():
     """Equal shards fill round-robin as requests queue tokens; a shard without a free row or
     with its pages promised to queued tokens is passed over; ties go to more free rows."""
-    from paxkv.engine.routing import pick_row  # noqa: PLC0415 - numpy only, no devices
+    from paxkv.scale.routing import pick_row  # noqa: PLC0415 - numpy only, no devices
 
     free, queued, rows = [4, 4, 4, 4], [0, 0, 0, 0], list(range(8))  # 2 rows a shard
     picked = []

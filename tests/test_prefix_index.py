@@ -1,9 +1,9 @@
 """The prefix index and the page table together, driven by a hypothesis state machine.
 
 Random admissions (lookup -> evict for room -> attach the hit -> reserve and write the rest ->
-index the full pages), extensions, forks, releases, evictions and clears run on the real jitted
-table ops and a tiny pool that stores token ids (1 layer, 1 kv head, head_dim 1: ``k`` holds the
-id, ``v`` the id + 0.5). After every operation:
+index the full pages), extensions, forks, releases, evictions, a salt's drops and clears run on
+the real jitted table ops and a tiny pool that stores token ids (1 layer, 1 kv head, head_dim
+1: ``k`` holds the id, ``v`` the id + 0.5). After every operation:
 
 * ref counts = block-table entries + one per page the index holds;
 * every cached page holds exactly its tokens (a sharer's write never reaches it: copy-on-write),
@@ -28,7 +28,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from paxkv.table import page_table as pt
 from paxkv.cache import pool as kv_pool
-from paxkv.prefix.index import PrefixIndex
+from paxkv.prefix.index import PrefixIndex, salt_bytes
 
 reserve_jit = jax.jit(pt.reserve, static_argnames="max_new")
 attach_jit = jax.jit(pt.attach)
@@ -211,6 +211,14 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         self._evict(num)
         PrefixIndexMachine.ops += 1
 
+    @precondition(lambda self: len(self.index) and self.steps % 5 == 4)
+    @rule(salt=st.sampled_from(SALTS))
+    def drop_salt(self, salt):
+        others = {e for e in self.index.entries() if e.salt != salt_bytes(salt)}
+        self._retain(self.index.drop_salt(salt), -1)
+        assert set(self.index.entries()) == others  # that salt's pages only, every one
+        PrefixIndexMachine.ops += 1
+
     @precondition(lambda self: len(self.index) and self.steps % 7 == 6)
     @rule()
     def clear(self):
@@ -289,6 +297,8 @@ def test_salts_and_partial_hits():
     refs[[7, 3]] = 1
     assert index.evict(1, refs) == [3]  # the chain tail goes first
     assert index.evict(5, refs, protect=[7]) == []
+    assert index.insert(tokens, [2, 5], "b") == [2, 5] and index.drop_salt("c") == []
+    assert index.drop_salt("b") == [2, 5] and index.match(tokens, "b").pages == ()
     assert index.clear() == [7] and len(index) == 0
 
 

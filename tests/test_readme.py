@@ -91,3 +91,24 @@ def test_readme_host_tier_example_serves_returning_histories_from_host():
     engine.clear_prefix_cache()
     assert int(engine.cache.free_pages()) == engine.cache.num_pages
     assert engine.stats().host.pages == 0
+
+
+def test_readme_rl_step_agrees_with_the_sampler_and_swaps_without_a_compile():
+    """The "RL rollouts" block: one GRPO step on the default model. The trainer's
+    log-probabilities of the sampled tokens equal the sampler's, the update placed nothing,
+    and the next rollout under the new weights compiles no step and carries version 1."""
+    from paxkv import rl  # noqa: PLC0415
+
+    ns = _run(_block("engine.update_params(optax.apply_updates"))
+    engine, out, swap = ns["engine"], ns["out"], ns["swap"]
+    assert swap.version == 1 and swap.placed == ()
+    assert sorted(set(out.group_ids.tolist())) == [0, 1] and len(out.group_ids) == 8
+    got = rl.token_logprobs(ns["lm"], ns["params"], out.prompt_tokens, out.prompt_mask,
+                            out.completion_tokens, out.completion_mask, ns["rows"],
+                            mode="temperature")
+    gap = np.abs(np.asarray(got) - out.logprobs)[out.completion_mask]
+    assert gap.max() < 1e-4, gap.max()
+    before = engine.stats().compiles.compiles
+    again = rl.rollout(engine, ns["prompts"], group_size=4, params=ns["sampling"])
+    assert engine.stats().compiles.compiles == before
+    assert (again.weight_versions[again.completion_mask] == 1).all()

@@ -20,7 +20,7 @@ from paxkv.prefix import holds as page_holds
 
 from paxkv.engine import policy
 
-from paxkv.engine import routing as shard_routing
+from paxkv.scale import routing as shard_routing
 from paxkv.engine.accounting import Counters
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.lifecycle import Lifecycle
@@ -204,7 +204,7 @@ def test_a_dry_shard_preempts_only_its_own_requests():
 
 
 def test_a_scoring_context_goes_whole_to_the_roomiest_shard_with_its_rows():
-    from paxkv.engine.routing import pick_shard  # noqa: PLC0415
+    from paxkv.scale.routing import pick_shard  # noqa: PLC0415
 
     assert pick_shard([4, 4], [3, 9], rows=2) == 1
     assert pick_shard([1, 4], [9, 3], rows=2) == 1  # shard 0 lacks the rows

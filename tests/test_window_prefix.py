@@ -276,6 +276,35 @@ def test_admission_evicts_cached_pages_of_a_window_model_for_room() -> None:
     assert all(int(jnp.sum(t.ref_counts)) == 0 for t in engine.cache.tables)
 
 
+def test_warm_up_keeps_a_window_models_cached_prompts() -> None:
+    """A warm-up after a cached system prompt: every group's references are as before (the
+    placeholders' pages all went, the prompt's stayed) and the prompt still hits."""
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    lm = tiny_lm(scale=1.0, windows=(6, None, 5))
+    system = list(range(10, 40))
+    engine, _ = _serve(lm, [system + [50] * 9])
+    refs = [np.asarray(t.ref_counts).tolist() for t in engine.cache.tables]
+    engine.warm_up([30, 21], max_new_tokens=3)
+    assert [np.asarray(t.ref_counts).tolist() for t in engine.cache.tables] == refs
+    engine.submit(system + [60] * 9, max_new_tokens=2, stop_token_ids=[])
+    engine.run()
+    assert engine.stats().prefix_hit_tokens >= 28  # the system prompt's 7 pages
+
+
+def test_pins_are_refused_on_a_window_model_naming_what_to_do() -> None:
+    """A window group keeps a budget of pages, not whole prompts: pins are refused with a
+    ValueError that names the alternatives, and nothing changes."""
+    from tiny import tiny_lm  # noqa: PLC0415
+
+    engine, _ = _serve(tiny_lm(scale=1.0, windows=(4, None)), [list(range(10, 30))])
+    cached = len(engine.prefixes)
+    for call in (engine.pin_prefix, engine.unpin_prefix):
+        with pytest.raises(ValueError, match="sliding-window.*submit_prefix"):
+            call(list(range(10, 30)))
+    assert len(engine.prefixes) == cached
+
+
 def test_attach_from_a_first_block_holds_only_the_window_pages() -> None:
     """``attach(..., first)``: cells before ``first`` become the sentinel and take no
     reference; a first block past the row's last, or an unheld page from it on, fails the

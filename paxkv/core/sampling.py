@@ -28,8 +28,8 @@ class SamplingParams:
       n: samples of the prompt: one prefill, forked into ``n`` rows sharing its pages.
       stop_token_ids: tokens that end a sequence; None: the model's EOS ids; ``()``: none.
       logprobs: None (off: nothing computed) or ``k >= 0``: return each generated token's
-        log-probability under the model (before temperature / top-k / top-p) and the ``k``
-        most likely alternatives at each step.
+        log-probability and the ``k`` most likely alternatives at each step, in the engine's
+        ``logprobs_mode`` (:func:`mode_logits`: "raw", the model's own, by default).
     """
 
     max_new_tokens: int = 16
@@ -129,12 +129,16 @@ def _filtered_logits(logits: jax.Array, params: RowSampling) -> jax.Array:
     k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays). NOTE:
+    # top_p 1 keeps every token: a float32 cumsum reaches 1.0 before a long tail ends.
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < params.top_p[:, None]
+    keep_sorted = (mass_before < params.top_p[:, None]) | (params.top_p[:, None] >= 1.0)
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     threshold = jnp.maximum(kth, cutoff)
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+NON_FINITE = -1  # the token a row whose logits are not all finite gets: no sample is drawn
 
 
 def sample(logits: jax.Array, positions: jax.Array, params: RowSampling | None) -> jax.Array:
@@ -142,8 +146,16 @@ def sample(logits: jax.Array, positions: jax.Array, params: RowSampling | None) 
     the token will take, for the key) -> int32 ``[batch]``.
 
     ``params=None`` is greedy for every row and compiles to an argmax alone. Otherwise the sort
-    that top-k / top-p need runs only when some row samples (a ``lax.cond``).
+    that top-k / top-p need runs only when some row samples (a ``lax.cond``). A row whose
+    logits hold a NaN or an infinity (diverged weights) gets :data:`NON_FINITE` in place of a
+    token: one reduction over the logits the argmax reads anyway, so a caller ends that row
+    instead of feeding it garbage.
     """
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    return jnp.where(finite, _draw(logits, positions, params), NON_FINITE)
+
+
+def _draw(logits: jax.Array, positions: jax.Array, params: RowSampling | None) -> jax.Array:
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if params is None:
         return greedy
@@ -165,7 +177,8 @@ class Sampled:
 
     Attributes:
       tokens: int32 ``[b]``.
-      logprobs: float32 ``[b]``: each token's log-probability under the model's logits.
+      logprobs: float32 ``[b]``: each token's log-probability (in the step's mode:
+        :func:`mode_logits`).
       top_ids: int32 ``[b, k]``; top_logprobs: float32 ``[b, k]``: the ``k`` most likely
         tokens at that step, most likely first.
     """
@@ -176,11 +189,51 @@ class Sampled:
     top_logprobs: jax.Array
 
 
-def with_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> Sampled:
+LOGPROBS_MODES = ("raw", "temperature", "processed")
+
+
+def check_logprobs_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`LOGPROBS_MODES`; a ``ValueError`` naming them otherwise."""
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
+    return mode
+
+
+def mode_logits(logits: jax.Array, params: RowSampling | None, mode: str) -> jax.Array:
+    """The logits whose log-softmax a ``mode`` reports: float32 ``[..., vocab]`` -> same shape.
+
+    * ``"raw"``: the model's logits (its own distribution);
+    * ``"temperature"``: divided by each row's temperature;
+    * ``"processed"``: the distribution the token was drawn from: after the temperature,
+      everything outside top-k / top-p set to ``-inf`` (renormalised by the log-softmax).
+
+    ``params`` fields are ``[batch]`` and broadcast over any axes between batch and vocab (a
+    trainer's ``[batch, t, vocab]``). A greedy row (temperature 0) draws no sample: every mode
+    reports the raw distribution for it, as does every row when ``params`` is None. The
+    sampler (:func:`with_logprobs`) and the trainer (:mod:`paxkv.rl.logprobs`) both call
+    this, so they agree on the definition by construction.
+    """
+    logits = logits.astype(jnp.float32)
+    check_logprobs_mode(mode)
+    if mode == "raw" or params is None:
+        return logits
+    lead = (slice(None),) + (None,) * (logits.ndim - 1)
+    sampled = (params.temperature > 0)[lead]
+    if mode == "temperature":
+        return jnp.where(sampled, logits / jnp.maximum(params.temperature, 1e-6)[lead], logits)
+    flat = logits.reshape(logits.shape[0], -1, logits.shape[-1])  # [b, t, vocab]
+    filtered = jax.vmap(_filtered_logits, in_axes=(1, None), out_axes=1)(flat, params)
+    return jnp.where(sampled, filtered.reshape(logits.shape), logits)
+
+
+def with_logprobs(logits: jax.Array, tokens: jax.Array, k: int,
+                  params: RowSampling | None = None, mode: str = "raw") -> Sampled:
     """``tokens`` int32 ``[b]`` drawn from ``logits`` float32 ``[b, vocab]`` with their
-    log-probabilities and the top ``k`` (static) alternatives; the full-vocabulary
-    log-softmax stays inside jit, only ``[b]`` and ``[b, k]`` values leave it."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    log-probabilities under ``mode`` (:func:`mode_logits`) and the top ``k`` (static)
+    alternatives in the same mode; the full-vocabulary log-softmax stays inside jit, only
+    ``[b]`` and ``[b, k]`` values leave it. A token of -1 (non-finite logits) reports NaN."""
+    logp = jax.nn.log_softmax(mode_logits(logits, params, mode), axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(logp, k)
-    return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    return Sampled(tokens, jnp.where(tokens >= 0, chosen, jnp.nan), top_ids.astype(jnp.int32),
+                   top_logprobs)

@@ -28,16 +28,19 @@ Cache = KVCache
 
 
 def _sampled(logits: jax.Array, positions: jax.Array, sampling: RowSampling | None,
-             logprobs: int | None) -> jax.Array | Sampled:
+             logprobs: int | None, mode: str = "raw") -> jax.Array | Sampled:
     tokens = sample(logits, positions, sampling)
-    return tokens if logprobs is None else with_logprobs(logits, tokens, logprobs)
+    if logprobs is None:
+        return tokens
+    return with_logprobs(logits, tokens, logprobs, sampling, mode)
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "plan", "logprobs"),
+@functools.partial(jax.jit, static_argnames=("forward", "plan", "logprobs", "logprobs_mode"),
                    donate_argnames=("cache",))
 def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
                  rows: jax.Array, query_lengths: jax.Array, sampling: RowSampling | None, *,
-                 plan: AttentionPlan = NO_PLAN, logprobs: int | None = None
+                 plan: AttentionPlan = NO_PLAN, logprobs: int | None = None,
+                 logprobs_mode: str = "raw"
                  ) -> tuple[Cache, jax.Array | Sampled, jax.Array, jax.Array]:
     """Appends a chunk of prompt tokens to some rows and samples each row's next token.
 
@@ -48,10 +51,12 @@ def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
       sampling: per batch row ``[b]``.
       logprobs: None, or ``k``: return :class:`paxkv.core.sampling.Sampled` (the tokens with their
         log-probabilities and top ``k``) in place of the tokens.
+      logprobs_mode: "raw", "temperature" or "processed" (:func:`paxkv.core.sampling.mode_logits`).
 
     Returns:
       ``(cache, next_tokens [b], ok [b], free_pages)``; a row whose reserve failed is unchanged
-      and its token is meaningless.
+      and its token is meaningless; a row whose logits were not finite gets the token
+      :data:`paxkv.core.sampling.NON_FINITE` (-1).
     """
     num_new = jnp.zeros((cache.max_seqs,), jnp.int32).at[rows].add(query_lengths)
     cache, ok_rows = cache.reserve(num_new, max_new=tokens.shape[1])
@@ -59,24 +64,26 @@ def prefill_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
     step = StepInfo.make(cache.lengths[rows], jnp.where(ok, query_lengths, 0), tokens.shape[1],
                          rows=rows, plan=plan)
     logits, cache = forward(params, tokens, step, cache)
-    next_tokens = _sampled(logits, step.lengths, sampling, logprobs)
+    next_tokens = _sampled(logits, step.lengths, sampling, logprobs, logprobs_mode)
     return cache, next_tokens, ok, cache.free_pages()
 
 
 def _decode(forward: Forward, params: Any, cache: Cache, tokens: jax.Array, live: jax.Array,
-            sampling: RowSampling | None, plan: AttentionPlan, logprobs: int | None = None):
+            sampling: RowSampling | None, plan: AttentionPlan, logprobs: int | None = None,
+            mode: str = "raw"):
     cache, ok = cache.reserve(live.astype(jnp.int32), max_new=1)
     ok = ok & live
     step = StepInfo.make(cache.lengths, ok.astype(jnp.int32), 1, plan=plan)
     logits, cache = forward(params, tokens[:, None], step, cache)
-    return cache, _sampled(logits, step.lengths, sampling, logprobs), ok
+    return cache, _sampled(logits, step.lengths, sampling, logprobs, mode), ok
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "plan", "logprobs"),
+@functools.partial(jax.jit, static_argnames=("forward", "plan", "logprobs", "logprobs_mode"),
                    donate_argnames=("cache",))
 def decode_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
                 live: jax.Array, sampling: RowSampling | None, *,
-                plan: AttentionPlan = NO_PLAN, logprobs: int | None = None
+                plan: AttentionPlan = NO_PLAN, logprobs: int | None = None,
+                logprobs_mode: str = "raw"
                 ) -> tuple[Cache, jax.Array | Sampled, jax.Array, jax.Array]:
     """One token for every live row of the cache.
 
@@ -84,14 +91,15 @@ def decode_step(forward: Forward, params: Any, cache: Cache, tokens: jax.Array,
       tokens: int32 ``[max_seqs]``: each row's last token (fed now).
       live: bool ``[max_seqs]``: rows that decode this step.
       sampling: per cache row ``[max_seqs]``.
-      logprobs: as :func:`prefill_step`'s.
+      logprobs, logprobs_mode: as :func:`prefill_step`'s.
 
     Returns:
       ``(cache, next_tokens [max_seqs], ok [max_seqs], free_pages)``; ``ok`` is False for idle
-      rows and for rows the pool had no page for (those are left unchanged).
+      rows and for rows the pool had no page for (those are left unchanged); non-finite
+      logits give the token -1 as in :func:`prefill_step`.
     """
     cache, next_tokens, ok = _decode(forward, params, cache, tokens, live, sampling, plan,
-                                     logprobs)
+                                     logprobs, logprobs_mode)
     return cache, next_tokens, ok, cache.free_pages()
 
 
@@ -112,7 +120,8 @@ def decode_loop(forward: Forward, params: Any, cache: Cache, first_tokens: jax.A
     Returns:
       ``(cache, tokens [max_seqs, max_new_tokens], num_tokens [max_seqs], out_of_pages
       [max_seqs])``: row ``b`` generated ``tokens[b, :num_tokens[b]]`` (a stop token included);
-      ``out_of_pages`` marks rows stopped early because the pool ran dry.
+      ``out_of_pages`` marks rows stopped early because the pool ran dry. A row whose logits
+      were not finite stops with the token -1 as its last (counted) token.
     """
     s = first_tokens.shape[0]
     rows = jnp.arange(s)
@@ -122,7 +131,7 @@ def decode_loop(forward: Forward, params: Any, cache: Cache, first_tokens: jax.A
 
     out = jnp.zeros((s, max_new_tokens), jnp.int32).at[:, 0].set(first_tokens)
     count = jnp.minimum(limits, 1)
-    running = (count > 0) & ~is_stop(first_tokens) & (count < limits)
+    running = (count > 0) & ~is_stop(first_tokens) & (first_tokens >= 0) & (count < limits)
 
     def body(carry):
         cache, out, count, running, dry = carry
@@ -132,7 +141,7 @@ def decode_loop(forward: Forward, params: Any, cache: Cache, first_tokens: jax.A
         dry = dry | (running & ~ok)
         out = out.at[rows, jnp.where(ok, count, max_new_tokens)].set(nxt, mode="drop")
         count = count + ok.astype(jnp.int32)
-        running = ok & ~is_stop(nxt) & (count < limits)
+        running = ok & ~is_stop(nxt) & (nxt >= 0) & (count < limits)
         return cache, out, count, running, dry
 
     cache, out, count, _, dry = jax.lax.while_loop(

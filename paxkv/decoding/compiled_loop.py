@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from paxkv.core import steps
+from paxkv.core.sampling import NON_FINITE
 from paxkv.engine import Engine
 from paxkv.engine.requests import GenerationResult
 
@@ -42,15 +43,19 @@ def run_fixed_batch(engine: Engine) -> dict[int, GenerationResult]:
     ends = [min(ops.cache.max_len, len(r.tokens) + r.max_new_tokens) for r in reqs]
     plan = sched.plan(reqs, ops.cache.max_len, decode_lengths=ends)
     ops.cache, out, count, dry = steps.decode_loop(
-        engine.model.forward, engine.model.params, ops.cache, first, limit,
+        engine.model.forward, engine.weights.params, ops.cache, first, limit,
         np.asarray(stop_ids, np.int32), stops,
         engine.lifecycle.rows.sampling_for(None), max_new_tokens=width, plan=plan)
     out, count, dry = np.asarray(out), np.asarray(count), np.asarray(dry)
     for r in reqs:
         r.output = [int(t) for t in out[r.row, : count[r.row]]]
+        non_finite = r.output[-1] == NON_FINITE  # the row stopped: its logits were not finite
+        r.output = r.output[:-1] if non_finite else r.output
+        r.versions = [engine.weights.version] * len(r.output)
         r.cached = len(r.tokens) - 1
         engine.counters.decode_tokens += len(r.output) - 1
-        r.finish_reason = ("stop" if r.output[-1] in r.stop_ids else
+        r.finish_reason = ("non_finite" if non_finite else
+                           "stop" if r.output[-1] in r.stop_ids else
                            "out_of_pages" if dry[r.row] else "length")
     ops.refresh_free()
     engine.lifecycle.finish(reqs)

@@ -197,3 +197,11 @@ def reclaimable(index: Any) -> int:
     if index is None or not len(index):
         return 0
     return int(index.reclaimable([Hit()] * len(index.shards)).sum())
+
+
+def reset_totals(counters: Counters, ops: Any, prefixes: Any) -> None:
+    """The engine's counters, peaks and host-tier totals from now (compiles kept)."""
+    counters.reset()
+    ops.reset_counts()
+    for host in getattr(prefixes, "hosts", ()):
+        host.reset_counts()

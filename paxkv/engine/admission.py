@@ -14,7 +14,7 @@ index's evictions; :class:`paxkv.engine.scheduler.Scheduler` acts on its answers
 from __future__ import annotations
 
 from paxkv.engine import policy
-from paxkv.engine import routing as shard_routing
+from paxkv.scale import routing as shard_routing
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.prefix_sharing import SharedPrefixes
 from paxkv.engine.requests import Request, RequestTable
@@ -76,3 +76,13 @@ class Admission:
         if short > 0 and self.prefixes is not None:
             self.prefixes.evict(short, protect=hit.pages, shard=shard)
         return policy.admits(need, int(ops.shard_free[shard]) - ahead, busy)
+
+    def make_room(self, req: Request) -> None:
+        """Evicts cached pages of ``req``'s shard until its row (already placed: an extended
+        held row) can take the tokens it has yet to feed; a row the pool still cannot hold is
+        preempted by its prefill, as any prefill's."""
+        need = policy.pages_to_admit(len(req.tokens), req.cached, self.ops.cache.page_size)
+        shard = self.ops.shard_of(req.row)
+        short = need - int(self.ops.shard_free[shard])
+        if short > 0 and self.prefixes is not None:
+            self.prefixes.evict(short, shard=shard)

@@ -231,20 +231,22 @@ class CacheOps:
                                           else count_copies(self.cache.table, *probe)))
         return tuple(gather(tuple(out)))
 
-    def prefill(self, model: Any, tokens: np.ndarray, rows: np.ndarray, query_lengths: np.ndarray,
-                sampling: RowSampling | None, plan: AttentionPlan,
-                logprobs: int | None = None) -> tuple[Any, np.ndarray]:
-        """:func:`paxkv.core.steps.prefill_step` -> ``(next_tokens [b], ok [b])`` as numpy (with
-        ``logprobs``, ``next_tokens`` is a :class:`paxkv.core.sampling.Sampled` of numpy arrays)."""
+    def prefill(self, model: Any, params: Any, tokens: np.ndarray, rows: np.ndarray,
+                query_lengths: np.ndarray, sampling: RowSampling | None, plan: AttentionPlan,
+                logprobs: int | None = None, mode: str = "raw") -> tuple[Any, np.ndarray]:
+        """:func:`paxkv.core.steps.prefill_step` of ``model.forward`` on ``params`` ->
+        ``(next_tokens [b], ok [b])`` as numpy (with ``logprobs``, ``next_tokens`` is a
+        :class:`paxkv.core.sampling.Sampled` of numpy arrays, in ``mode``)."""
         return self.run_step(lambda: stored.call(
-            steps.prefill_step, model.forward, model.params, self.cache, host(tokens, np.int32), host(rows, np.int32),
-            host(query_lengths, np.int32), sampling, plan=plan, logprobs=logprobs))
+            steps.prefill_step, model.forward, params, self.cache, host(tokens, np.int32),
+            host(rows, np.int32), host(query_lengths, np.int32), sampling, plan=plan,
+            logprobs=logprobs, logprobs_mode=mode))
 
-    def decode(self, model: Any, last_tokens: np.ndarray, live: np.ndarray,
+    def decode(self, model: Any, params: Any, last_tokens: np.ndarray, live: np.ndarray,
                sampling: RowSampling | None, plan: AttentionPlan,
-               logprobs: int | None = None) -> tuple[Any, np.ndarray]:
+               logprobs: int | None = None, mode: str = "raw") -> tuple[Any, np.ndarray]:
         """:func:`paxkv.core.steps.decode_step` over every row -> ``(next_tokens, ok)``
-        ``[max_seqs]`` as numpy (``logprobs``: as :meth:`prefill`)."""
+        ``[max_seqs]`` as numpy (``logprobs``, ``mode``: as :meth:`prefill`)."""
         return self.run_step(lambda: stored.call(
-            steps.decode_step, model.forward, model.params, self.cache, host(last_tokens, np.int32),
-            host(live, bool), sampling, plan=plan, logprobs=logprobs))
+            steps.decode_step, model.forward, params, self.cache, host(last_tokens, np.int32),
+            host(live, bool), sampling, plan=plan, logprobs=logprobs, logprobs_mode=mode))

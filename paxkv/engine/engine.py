@@ -1,20 +1,12 @@
 """Continuous batching over cache rows: the public API of a Python loop around jitted steps.
 
 Requests wait in a queue and are admitted into free cache rows while pages allow. Each
-``step()`` prefills what was admitted (bucketed, chunked), decodes one token for every running
-row, releases what finished, and returns what changed (:class:`StepOutput`), so a loop can
-stream. A finished request's result is handed out once and the request is dropped. When the
-pool runs dry mid-decode, a running request is preempted and recomputed later (vLLM's recompute
-preemption): no live token is overwritten.
-
-Sharing (paged cache): the prefix cache (on by default) reuses cached pages of identical
-prompt prefixes; ``submit_prefix`` + ``submit(..., prefix=id)`` forks one prefilled prefix into
-every request that names it; ``n > 1`` prefills a prompt once and forks it into ``n`` samples;
-:meth:`Engine.fork` branches a live sequence (a tree of thought: branch, continue,
-:meth:`Engine.cancel` the losers). The parts: :mod:`paxkv.engine.requests` (the table),
-:class:`~paxkv.engine.requests.RowState` (per-row settings), :mod:`paxkv.engine.cache_ops` (the cache),
-:mod:`paxkv.engine.prefix_sharing`, :mod:`paxkv.engine.lifecycle` (who holds a row), :mod:`paxkv.engine.policy`,
-:mod:`paxkv.engine.scheduler` (the step) and :mod:`paxkv.engine.accounting`.
+``step()`` prefills what was admitted, decodes one token for every running row, releases what
+finished and returns what changed (:class:`StepOutput`); a finished result is handed out once.
+When the pool runs dry mid-decode a request is preempted and recomputed later. Sharing (paged
+cache): the prefix cache, ``submit_prefix`` + ``submit(..., prefix=id)``, ``n > 1`` samples,
+:meth:`Engine.fork` and :meth:`Engine.extend`; weights change between steps through
+:meth:`Engine.update_params`. The parts are listed in :mod:`paxkv.engine`.
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ from jax.sharding import Mesh
 
 from paxkv.core.compiles import CompileStats, counting, metered, use_persistent_cache
 from paxkv.core.protocol import KVCache, check_model
-from paxkv.core.sampling import SamplingParams
+from paxkv.core.sampling import SamplingParams, check_logprobs_mode
 from paxkv.engine import accounting, policy
 from paxkv.engine.accounting import Counters, EngineStats, SequenceStats
 from paxkv.engine.cache_ops import CacheOps
@@ -39,6 +31,7 @@ from paxkv.engine.requests import RowState
 from paxkv.engine.scheduler import Scheduler
 from paxkv.engine import setup
 from paxkv.engine.setup import build_cache, place_model, token_ids
+from paxkv.engine.weights import ParamsUpdate, Weights, WeightSwap
 
 __all__ = ["Engine", "EngineStats", "GenerationResult", "SequenceStats", "StepOutput"]
 
@@ -60,34 +53,28 @@ class Engine:
         "pallas", "pallas_mma" (the kernels on tensor cores where they serve the pages) or "xla".
       prefill_chunk: longest prompt chunk per prefill call; prefill_tokens: batch x chunk budget.
       prefix_cache: reuse cached full pages across requests (default: on for a paged cache;
-        on a model with window layers each window group keeps the window pages of cached
-        prompts too: :mod:`paxkv.prefix.window_index`).
-        Cached pages stay after their requests finish, until evicted for room or dropped by
-        :meth:`clear_prefix_cache`: :meth:`stats` counts them as ``reclaimable_pages``, not
-        free ones.
-      growth: how admission projects the running requests' growth
-        (:class:`paxkv.engine.policy.Growth`; ``Growth(start=0, floor=0)`` admits whatever fits now).
-      shapes: which prefill shapes compile (:class:`paxkv.engine.policy.Shapes`: a call runs padded
-        in a compiled wider shape until the padding has cost ``buy`` tokens, default
-        :data:`paxkv.core.buckets.COMPILE_TOKENS`; ``Shapes(buy=0)`` compiles every call's own shape).
-      mesh: a ``("data", "model")`` :class:`jax.sharding.Mesh` (:func:`paxkv.scale.mesh.make_mesh`)
-        for ``cache="paged"``: rows and pages split over ``data`` (``max_seqs`` and
-        ``num_pages`` must divide by it; :mod:`paxkv.scale.sharded_cache`), each request placed in
-        the shard holding its cached prefix if it has room, else in the least-loaded one
-        (the prefix cache keeps one index per shard: page ids are shard-local); kv heads and
-        the weights split over ``model`` (:func:`paxkv.engine.setup.place_model`). None: one
-        device. Across processes (:func:`paxkv.scale.distributed.process_mesh`): every process
-        builds the same engine and makes the same calls in the same order.
-      host_cache_bytes: a host-memory tier under the prefix cache (a paged cache; on a mesh
-        one per data shard, each ``1 / data`` of the bytes):
-        pages evicted for room are copied to host memory within this many bytes and copied
-        back, instead of prefilled, when a prompt runs past the device's cached chain
-        (:mod:`paxkv.prefix.host_tier`; 0 = off). ``stats().host`` reports it; ``host_ttl_s``
-        drops host pages unused for that long. :meth:`pin_prefix` keeps a prefix in either.
-      compile_cache: JAX's persistent compilation cache, so a new process loads the steps an
-        earlier one compiled (:func:`paxkv.core.compiles.use_persistent_cache`): None, the
-        user's cache folder (``$PAXKV_COMPILE_CACHE`` moves it or, "off", turns it off); a
-        folder; False: off. A cache you configured in JAX stays yours.
+        window groups keep cached prompts' window pages: :mod:`paxkv.prefix.window_index`).
+        Cached pages stay until evicted for room or :meth:`clear_prefix_cache`
+        (``reclaimable_pages`` in :meth:`stats`, not free ones).
+      growth: how admission projects running requests' growth (:class:`~paxkv.engine.policy.Growth`).
+      shapes: which prefill shapes compile (:class:`~paxkv.engine.policy.Shapes`: a call runs
+        in a compiled wider shape until the padding has cost ``buy`` tokens).
+      mesh: a ``("data", "model")`` mesh (:func:`paxkv.scale.mesh.make_mesh`) for
+        ``cache="paged"``: rows and pages split over ``data`` (``max_seqs`` and ``num_pages``
+        divide by it; a request goes to the shard holding its cached prefix if it has room,
+        else the least loaded: :mod:`paxkv.scale.routing`); kv heads and weights over
+        ``model`` (:func:`paxkv.engine.setup.place_model`). None: one device. Across
+        processes every process builds the same engine and makes the same calls.
+      host_cache_bytes: a host-memory tier under the prefix cache (0 = off; on a mesh one per
+        data shard): evicted pages are copied there and back instead of prefilled again
+        (:mod:`paxkv.prefix.host_tier`; ``stats().host``); ``host_ttl_s`` drops pages unused
+        that long.
+      compile_cache: JAX's persistent compilation cache
+        (:func:`paxkv.core.compiles.use_persistent_cache`): None, the user's cache folder
+        (``$PAXKV_COMPILE_CACHE`` moves it, "off" turns it off); a folder; False: off.
+      logprobs_mode: what ``logprobs`` report (:func:`paxkv.core.sampling.mode_logits`): "raw"
+        (the model's), "temperature" or "processed" (exactly the distribution sampled);
+        :func:`paxkv.rl.token_logprobs` computes the same on the trainer's side.
     """
 
     def __init__(self, model: Any, *, cache: str | KVCache = "paged",
@@ -98,8 +85,9 @@ class Engine:
                  prefix_cache: bool | None = None, growth: Growth | None = None,
                  shapes: Shapes | None = None, mesh: Mesh | None = None,
                  compile_cache: str | bool | None = None, host_cache_bytes: int = 0,
-                 host_ttl_s: float | None = None):
+                 host_ttl_s: float | None = None, logprobs_mode: str = "raw"):
         check_model(model)
+        check_logprobs_mode(logprobs_mode)
         self.compile_cache = use_persistent_cache(compile_cache)  # before the first compile
         self.compile_stats = CompileStats()
         kv = build_cache(model, cache, max_seqs=max_seqs, max_len=max_len, page_size=page_size,
@@ -108,6 +96,7 @@ class Engine:
                          step_tokens=prefill_tokens, prefix_cache=prefix_cache is not False,
                          step_rows=policy.most_prefill_rows(prefill_chunk, prefill_tokens))
         self.model = place_model(model, mesh)
+        self.weights = Weights(self.model.params)  # what every step reads; update_params swaps
         self.table = RequestTable(kv.max_seqs)
         self.ops = CacheOps(kv, None if isinstance(cache, KVCache) else max_len)
         self.prefixes = setup.prefix_cache(self.ops, prefix_cache, host_ttl_s=host_ttl_s,
@@ -115,11 +104,13 @@ class Engine:
         self.counters = Counters()
         rows, growth = RowState(self.table), growth or Growth()
         self.lifecycle = Lifecycle(self.model, self.table, rows, self.ops, self.prefixes,
-                                   self.counters, growth)
+                                   self.counters, growth, self.weights)
+        self.swap = WeightSwap(self.weights, self.lifecycle, self.prefixes)
         self.scheduler = Scheduler(  # the placed model: its weights already lie on the mesh
             model=self.model, table=self.table, rows=rows, ops=self.ops, prefixes=self.prefixes,
             counters=self.counters, growth=growth, life=self.lifecycle,
-            prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, shapes=shapes)
+            prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, shapes=shapes,
+            logprobs_mode=logprobs_mode)
 
     @property
     def cache(self) -> Any:
@@ -154,7 +145,7 @@ class Engine:
         self.ops.check_fits(len(prompt_ids), p.max_new_tokens)
         rid = self.table.new_id()
         req = Request.make(rid, prompt_ids, p, p.stops(self.model), p.key_data(rid, key),
-                           salt=cache_salt, hold=hold, prefix_of=prefix)
+                           cache_salt=cache_salt, hold=hold, prefix_of=prefix)
         self.table.add(req)
         self.table.waiting.append(req)
         return rid
@@ -186,6 +177,47 @@ class Engine:
                               max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids)
         return self.lifecycle.fork(request_id, n, p, hold=hold)
+
+    @metered
+    def extend(self, request_id: int, token_ids: Sequence[int],
+               params: SamplingParams | None = None, *, max_new_tokens: int | None = None,
+               temperature: float | None = None, top_k: int | None = None,
+               top_p: float | None = None, stop_token_ids: Sequence[int] | None = None,
+               logprobs: int | None = None, hold: bool | None = None) -> int:
+        """Continues a finished ``hold=True`` request after ``token_ids`` (a tool's result, the
+        next turn: ids in, ids out) in its own row: only its last token and ``token_ids``
+        are prefilled. It ends "continued"; returns the new request's id (its prompt: the
+        whole history). Settings: ``params`` (default: the request's), then the keywords."""
+        req = self.table.get(request_id)
+        p = SamplingParams.of(params or req.params(), max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_k=top_k, top_p=top_p,
+                              stop_token_ids=stop_token_ids, logprobs=logprobs)
+        ids = self.table.prompt(setup.token_ids(token_ids), self.model.vocab_size)
+        return self.lifecycle.extend(request_id, ids, p, hold)
+
+    @metered
+    def update_params(self, params: Any, *, in_flight: str | None = None,
+                      keep_prefix_cache: bool = False) -> ParamsUpdate:
+        """Replaces the weights every later step runs on (RL: the policy after an optax step):
+        same tree, shapes and dtypes (else a ``ValueError`` naming the leaf, old weights
+        kept); leaves placed as the engine's are taken uncopied, others placed once; no step
+        compiles again; the weight version goes up by one (each token's is in its result).
+
+        ``in_flight``: "abort", "keep" or "recompute" (:mod:`paxkv.engine.weights`); None only
+        when nothing is in flight. ``keep_prefix_cache``: serve K/V cached under earlier
+        weights (stale; off: dropped now, and pins carry over to the new weights' pages).
+        """
+        return self.swap.update(params, in_flight, keep_prefix_cache)
+
+    @property
+    def params(self) -> Any:
+        """The params tree the steps run on now (:meth:`update_params` replaces it)."""
+        return self.weights.params
+
+    @property
+    def weight_version(self) -> int:
+        """How many times :meth:`update_params` replaced the weights."""
+        return self.weights.version
 
     @metered
     def cancel(self, request_id: int) -> None:
@@ -225,61 +257,27 @@ class Engine:
     def _result(self, req: Request) -> GenerationResult:
         return self.table.result(req, getattr(self.model, "decode", None))
 
-    @metered
-    def warm_up(self, prompt_lengths: Sequence[int], max_new_tokens: int = 4,
-                params: SamplingParams | None = None) -> CompileStats:
-        """Compiles the steps a batch of prompts of ``prompt_lengths`` tokens takes (its
-        prefill calls, its decode steps at each width it passes) before the first request, by
-        running that batch on placeholder tokens: for steady timings from the first real
-        batch, warm up with one like it. The results are dropped, every page returns, the
-        prefix cache forgets them, admission's growth projection and the running totals
-        restart (``compile_stats`` keeps what this paid). Returns what this paid.
-
-        Args:
-          prompt_lengths: one placeholder prompt of each length (distinct random tokens, so
-            no prompt is served from another's pages).
-          max_new_tokens: decode steps to run.
-          params: the sampling the real requests will use (the default: greedy).
-        """
-        if self.has_work():
-            raise ValueError("warm_up runs before any request: the engine has work queued or "
-                             "running (finish or cancel it first)")
-        paid = CompileStats()
-        with counting(paid):
-            rng = np.random.default_rng(0)
-            p = SamplingParams.of(params, max_new_tokens=max_new_tokens, stop_token_ids=[])
-            for n in prompt_lengths:
-                self.submit(rng.integers(0, self.model.vocab_size, int(n)).tolist(), p)
-            self.run()  # hands every result out: the table keeps none of them
-            self.clear_prefix_cache()
-        self._reset_totals()
-        self.scheduler.growth.reset()
-        return paid
+    warm_up = setup.warm_up  # what an engine runs before its first request (set-up)
 
     # -- sharing and accounting -----------------------------------------------------------
     @metered
     def clear_prefix_cache(self) -> int:
-        """Drops every cached page's index reference; returns how many pages the index held
-        (those no running request holds are free at once)."""
-        return 0 if self.prefixes is None else self.prefixes.clear()
+        """Drops every cached page's index reference, pins too; returns how many pages the
+        index held (those no running request holds are free at once)."""
+        return self.swap.forget(keep_pins=False)
 
     def pin_prefix(self, prompt_ids: Sequence[int], *,
                    cache_salt: str | bytes | None = None) -> int:
         """Keeps the cached full pages of ``prompt_ids`` (``cache_salt``'s), now or once
         cached, from eviction (and, with a host tier, from being dropped there) until
-        :meth:`unpin_prefix` or :meth:`clear_prefix_cache`; returns how many pages it names."""
-        return len(self._prefix_cache("pin_prefix").pin(token_ids(prompt_ids), cache_salt))
+        :meth:`unpin_prefix` or :meth:`clear_prefix_cache`, across weight updates; returns
+        how many pages it names."""
+        return self.swap.pin(token_ids(prompt_ids), cache_salt)
 
     def unpin_prefix(self, prompt_ids: Sequence[int], *,
                      cache_salt: str | bytes | None = None) -> int:
         """Lets :meth:`pin_prefix`'s pages go again (least recently used first)."""
-        return len(self._prefix_cache("unpin_prefix").unpin(token_ids(prompt_ids), cache_salt))
-
-    def _prefix_cache(self, what: str) -> Any:
-        if self.prefixes is None or not hasattr(self.prefixes, "pin"):
-            raise ValueError(f"{what} needs the prefix cache of a paged cache without window "
-                             "groups: build the engine with prefix_cache=True")
-        return self.prefixes
+        return self.swap.unpin(token_ids(prompt_ids), cache_salt)
 
     @metered
     def stats(self) -> EngineStats:
@@ -290,12 +288,5 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Zeroes the running totals and peaks (a timed run after a warm-up starts clean)."""
-        self._reset_totals()
+        accounting.reset_totals(self.counters, self.ops, self.prefixes)
         self.compile_stats.reset()
-
-    def _reset_totals(self) -> None:
-        """The counters, peaks and host-tier totals from now (compiles kept)."""
-        self.counters.reset()
-        self.ops.reset_counts()
-        for host in getattr(self.prefixes, "hosts", ()):
-            host.reset_counts()

@@ -131,6 +131,14 @@ class SharedPrefixes:
         return np.array([ix.evictable(refs[s], self._protected(s, hits[s].pages))
                          for s, ix in enumerate(self.shards)], np.int64)
 
+    def drop_salt(self, salt: str | bytes | None) -> int:
+        """Drops ``salt``'s cached pages in every shard (pages nobody else holds are free at
+        once; pins stay); returns how many the indexes held."""
+        pages = [ix.drop_salt(salt) for ix in self.shards]
+        self.ops.retain_shards(pages, -1)
+        self.ops.refresh_free()
+        return sum(map(len, pages))
+
     def clear(self) -> int:
         """Drops every cached page's reference in every shard, pins too; returns how many the
         indexes held."""
@@ -170,7 +178,10 @@ class WindowPrefixes(SharedPrefixes):
     :class:`~paxkv.prefix.window_index.WindowPrefixIndex` holding a page per group of each
     cached block. A window group's row drops its pages as its window moves on, so a prompt is
     indexed after every prefill chunk, catching each chunk's window pages before they slide
-    out: a later prompt sharing any prefix of it finds the window layers' keys at its end."""
+    out: a later prompt sharing any prefix of it finds the window layers' keys at its end.
+
+    It keeps no pins (:meth:`pin` refuses): a window group holds at most its budget of cached
+    pages, dropping the least recently used past it, so no prompt can be kept whole."""
 
     each_chunk = True
 
@@ -178,6 +189,17 @@ class WindowPrefixes(SharedPrefixes):
         cache = ops.cache
         self.ops, self.page_size = ops, page_size
         self.shards = [WindowPrefixIndex(page_size, cache.groups.windows, cache.index_pages)]
+
+    def pin(self, tokens: Sequence[int], salt: str | bytes | None = None) -> list[bytes]:
+        raise ValueError(
+            "prefix pins (pin_prefix, unpin_prefix) need a model without sliding-window "
+            "layers: a window layer's prefix cache keeps at most a budget of cached window "
+            "pages (least recently used go first), so a pinned prompt could not be kept whole. "
+            "Hold the prompt in a row instead (submit_prefix, then submit(..., prefix=id)), or "
+            "leave it to the cache")
+
+    def unpin(self, tokens: Sequence[int], salt: str | bytes | None = None) -> list[bytes]:
+        return self.pin(tokens, salt)
 
     def attach(self, req: Request, hit: GroupHit) -> None:  # type: ignore[override]
         self.ops.attach_groups(req.row, hit.groups, hit.first, hit.num_tokens)
@@ -212,6 +234,12 @@ class WindowPrefixes(SharedPrefixes):
             return np.zeros(1, np.int64)
         refs = page_holds.group_ref_counts(self.ops.cache)
         return np.array([self.index.evictable(refs, hits[0].pages)], np.int64)
+
+    def drop_salt(self, salt: str | bytes | None) -> int:
+        pages = self.index.drop_salt(salt)
+        self.ops.retain_groups(pages, -1)
+        self.ops.refresh_free()
+        return len(pages[0])
 
     def clear(self) -> int:
         pages = self.index.clear()

@@ -22,18 +22,31 @@ from typing import Callable, Sequence
 import numpy as np
 
 from paxkv.core.sampling import RowSampling, SamplingParams
+from paxkv.prefix.index import salt_bytes
+
+
+def epoch_salt(salt: str | bytes | None, epoch: int) -> str | bytes | None:
+    """The prefix cache's salt for K/V computed in weight epoch ``epoch``: ``salt`` itself in
+    epoch 0, ``salt`` with the epoch appended after (:meth:`paxkv.Engine.update_params`), so a
+    prompt's pages cached under other weights never match."""
+    return salt if epoch == 0 else salt_bytes(salt) + b"\x00paxkv-weights-%d" % epoch
 
 
 @dataclasses.dataclass
 class GenerationResult:
     """One request's outcome: ``token_ids`` are the generated tokens (a stop token included),
     ``text`` their decoding without stop tokens; ``finish_reason`` is "stop", "length",
-    "cancelled", "forked" (branched into children), "prefilled" (a shared prefix),
-    "out_of_pages" or "running"; ``num_cached_tokens`` counts prompt tokens served from shared
-    pages; with ``n > 1``, ``samples`` holds the n results (the fields above then repeat
-    sample 0). With ``SamplingParams(logprobs=k)``, ``logprobs[i]`` is the model's
-    log-probability of ``token_ids[i]`` and ``top_logprobs[i]`` its ``k`` most likely
-    ``(token, logprob)`` at that step; None otherwise."""
+    "cancelled", "aborted" (by :meth:`paxkv.Engine.update_params`; the tokens made so far),
+    "non_finite" (the logits of its next token were not finite: diverged weights; no token
+    was drawn), "forked" (branched into children), "continued" (carried on by
+    :meth:`paxkv.Engine.extend`), "prefilled" (a shared prefix), "out_of_pages" or
+    "running"; ``num_cached_tokens`` counts prompt tokens served from shared pages; with
+    ``n > 1``, ``samples`` holds the n results (the fields above then repeat sample 0).
+    ``weight_versions[i]`` is the engine's weight version (:meth:`paxkv.Engine.update_params`)
+    that sampled ``token_ids[i]``. With ``SamplingParams(logprobs=k)``, ``logprobs[i]`` is
+    the log-probability of ``token_ids[i]`` in the engine's ``logprobs_mode`` and
+    ``top_logprobs[i]`` its ``k`` most likely ``(token, logprob)`` at that step; None
+    otherwise."""
 
     token_ids: list[int]
     text: str
@@ -44,6 +57,7 @@ class GenerationResult:
     samples: list["GenerationResult"] | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    weight_versions: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +85,8 @@ class Request:
     top_k: int
     top_p: float
     key_data: np.ndarray
-    salt: str | bytes | None = None
+    cache_salt: str | bytes | None = None  # the user's prefix-cache tenant
+    kv_epoch: int = 0  # the weight epoch its row's K/V was computed in (set at admission)
     n: int = 1  # > 1: prefill prompt[:-1] once, then fork into n children
     hold: bool = False  # keep the row after finishing, to fork it later
     is_prefix: bool = False  # a shared prefix: prefilled, then held ("prefilled") for forks
@@ -88,6 +103,8 @@ class Request:
     logprobs: int | None = None  # alternatives to return per token (None: no logprobs)
     token_logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # weight version per token
+    refill: str | None = None  # a held row being prefilled again: the finish reason it keeps
 
     @classmethod
     def make(cls, rid: int, prompt_ids: list[int], params: SamplingParams,
@@ -104,6 +121,12 @@ class Request:
                               logprobs=self.logprobs)
 
     @property
+    def salt(self) -> str | bytes | None:
+        """What the prefix cache keys this request's pages under: its tenant and the weight
+        epoch of its K/V (:func:`epoch_salt`)."""
+        return epoch_salt(self.cache_salt, self.kv_epoch)
+
+    @property
     def keeps_row(self) -> bool:
         """Finished but holding its row: a held request, or a prefilled shared prefix."""
         return self.finish_reason == "prefilled" or (
@@ -115,8 +138,10 @@ class Request:
 
     @property
     def target(self) -> int:
-        """Tokens to hold before sampling (an n > 1 parent stops one short and forks)."""
-        return len(self.prompt_ids) + len(self.output) - (self.n > 1)
+        """Tokens to hold before sampling (an n > 1 parent stops one short and forks; a held
+        row prefilled again holds all but its last token, as it did)."""
+        held_again = self.refill is not None and not self.is_prefix
+        return len(self.prompt_ids) + len(self.output) - (self.n > 1 or held_again)
 
     @property
     def decoding(self) -> bool:
@@ -131,6 +156,7 @@ class RequestTable:
         self.requests: dict[int, Request] = {}
         self.rows: list[Request | None] = [None] * max_seqs
         self.waiting: collections.deque[Request] = collections.deque()
+        self.resuming: list[Request] = []  # placed in a row, their new tokens not yet fed
         self.clock = 0  # engine steps so far: admission order for preemption
         self._next_id = 0
 
@@ -208,14 +234,15 @@ class RequestTable:
             return GenerationResult(first.token_ids, first.text, req.prompt_ids,
                                     first.finish_reason, req.num_cached_tokens,
                                     req.preemptions, samples, first.logprobs,
-                                    first.top_logprobs)
+                                    first.top_logprobs, first.weight_versions)
         kept = [t for t in req.output if t not in req.stop_ids]
         asked = req.logprobs is not None
         return GenerationResult(list(req.output), decode(kept) if decode else "",
-                                req.prompt_ids, req.finish_reason or "running",
+                                req.prompt_ids, req.finish_reason or req.refill or "running",
                                 req.num_cached_tokens, req.preemptions,
                                 logprobs=list(req.token_logprobs) if asked else None,
-                                top_logprobs=list(req.top_logprobs) if asked else None)
+                                top_logprobs=list(req.top_logprobs) if asked else None,
+                                weight_versions=list(req.versions))
 
     def hand_out(self, decode: Callable[[list[int]], str] | None = None
                  ) -> dict[int, GenerationResult]:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from paxkv.core import plan as attention_plan
-from paxkv.core.sampling import Sampled
+from paxkv.core.sampling import NON_FINITE, Sampled
 from paxkv.engine import admission, policy
 from paxkv.engine.accounting import Counters
 from paxkv.engine.cache_ops import CacheOps
@@ -39,6 +39,7 @@ from paxkv.engine.lifecycle import Lifecycle
 from paxkv.engine.prefix_sharing import SharedPrefixes
 from paxkv.engine.requests import Request, RequestTable
 from paxkv.engine.requests import RowState
+from paxkv.engine.weights import Weights
 from paxkv.prefix.index import Hit
 
 
@@ -48,8 +49,10 @@ class Scheduler:
     def __init__(self, *, model: Any, table: RequestTable, rows: RowState, ops: CacheOps,
                  prefixes: SharedPrefixes | None, counters: Counters, growth: policy.Growth,
                  life: Lifecycle, prefill_chunk: int, prefill_tokens: int,
-                 shapes: policy.Shapes | None = None):
+                 shapes: policy.Shapes | None = None, logprobs_mode: str = "raw"):
         self.model, self.table, self.rows, self.ops = model, table, rows, ops
+        self.weights: Weights = life.weights  # one object: update_params swaps its params
+        self.logprobs_mode = logprobs_mode
         self.prefixes, self.counters, self.growth, self.life = prefixes, counters, growth, life
         self.admission = admission.Admission(table, ops, prefixes, growth)
         # Rent a wider shape until a compile's price (buckets.COMPILE_TOKENS) is padded.
@@ -69,6 +72,8 @@ class Scheduler:
         self.table.clock += 1
         self.growth.stepped()
         self.new_tokens = {}
+        if self.table.resuming:  # extended held rows: feed their new tokens first
+            self._resume()
         while self.table.waiting and self.table.free_rows():
             admitted = self.admit()
             if not admitted:
@@ -82,6 +87,14 @@ class Scheduler:
             raise RuntimeError("requests are waiting but none can run: finished hold=True "
                                "requests hold the rows or pages; fork or cancel them")
         return self.new_tokens
+
+    def _resume(self) -> None:
+        """Feeds extended rows (:meth:`paxkv.Engine.extend`) their new tokens, with room made
+        first (:meth:`paxkv.engine.admission.Admission.make_room`)."""
+        resuming, self.table.resuming = self.table.resuming, []
+        for r in resuming:
+            self.admission.make_room(r)
+        self.prefill(resuming)
 
     def _holder(self, req: Request) -> Request | None:
         """The held prefix ``req`` forks at admission; ``req`` itself while that prefix is
@@ -100,6 +113,7 @@ class Scheduler:
         pending: set[tuple[int, bytes]] = set()  # (shard, digest) being prefilled this round
         while self.table.waiting and self.table.free_rows():
             req = self.table.waiting[0]
+            req.kv_epoch = self.weights.epoch  # its K/V is computed now (or forked from holder)
             holder = self._holder(req)
             if holder is req:
                 break  # its shared prefix is still being prefilled
@@ -120,7 +134,7 @@ class Scheduler:
             self.rows.place(req, row)
             if holder:
                 self.ops.fork(holder.row, [req.row])
-                req.cached = holder.cached
+                req.cached, req.kv_epoch = holder.cached, holder.kv_epoch
             elif hit.num_tokens:
                 self.prefixes.attach(req, hit)
             if req.preemptions == 0:
@@ -163,8 +177,9 @@ class Scheduler:
                 plan, packed_tokens=policy.packed_tokens(int(qlen.sum()), b * t))
         plan = self.shapes.plan((b, t), plan)
         self.last_plan = plan
-        drawn, ok = self.ops.prefill(self.model, tokens, rows, qlen,
-                                     self.rows.sampling_for(rows), plan, _logprobs(batch))
+        drawn, ok = self.ops.prefill(self.model, self.weights.params, tokens, rows, qlen,
+                                     self.rows.sampling_for(rows), plan, _logprobs(batch),
+                                     self.logprobs_mode)
         more, done = list(later), []
         for i, r in enumerate(batch):
             if not ok[i]:  # its shard could not hold it after all: back to the queue
@@ -190,7 +205,9 @@ class Scheduler:
         if self.prefixes is not None:
             self.prefixes.index_rows(done)
         for i, r in enumerate(done):
-            if r.is_prefix:
+            if r.refill is not None:  # a held row computed again: held as it was
+                r.finish_reason, r.refill = r.refill, None
+            elif r.is_prefix:
                 r.finish_reason = "prefilled"  # keeps its row for the requests that fork it
             elif r.n > 1:
                 self.life.branch(r, self.life.spawn(r, r.n, sample=True))
@@ -216,14 +233,16 @@ class Scheduler:
             rows = np.full(width, live_rows[0], np.int32)
             rows[: live_rows.size] = live_rows
             qlen = (np.arange(width) < live_rows.size).astype(np.int32)
-            drawn, ok_b = self.ops.prefill(self.model, self.rows.last_tokens[rows][:, None],
-                                           rows, qlen, self.rows.sampling_for(rows), plan,
-                                           _logprobs(stepping))
+            drawn, ok_b = self.ops.prefill(self.model, self.weights.params,
+                                           self.rows.last_tokens[rows][:, None], rows, qlen,
+                                           self.rows.sampling_for(rows), plan,
+                                           _logprobs(stepping), self.logprobs_mode)
             ok, where = np.zeros(s, bool), np.zeros(s, np.int64)
             ok[live_rows], where[live_rows] = ok_b[: live_rows.size], np.arange(live_rows.size)
         else:
-            drawn, ok = self.ops.decode(self.model, self.rows.last_tokens, live,
-                                        self.rows.sampling_for(None), plan, _logprobs(stepping))
+            drawn, ok = self.ops.decode(self.model, self.weights.params, self.rows.last_tokens,
+                                        live, self.rows.sampling_for(None), plan,
+                                        _logprobs(stepping), self.logprobs_mode)
             where = np.arange(s)
         self.counters.decode_tokens += int(ok.sum())
         for row in np.flatnonzero(ok):
@@ -260,15 +279,21 @@ class Scheduler:
     # -- bookkeeping -----------------------------------------------------------------------
     def _append(self, req: Request, drawn: Any, i: int) -> None:
         """Appends the token ``drawn`` holds at batch index ``i`` (and, if ``req`` asked, its
-        log-probabilities) to ``req``, and ends it on a stop token or its length."""
+        log-probabilities) to ``req``, and ends it on a stop token or its length; a row whose
+        logits were not finite (:data:`paxkv.core.sampling.NON_FINITE`) ends "non_finite"
+        with nothing appended."""
         sampled = isinstance(drawn, Sampled)
         token = int((drawn.tokens if sampled else drawn)[i])
+        if token == NON_FINITE:
+            req.finish_reason = "non_finite"
+            return
         if sampled and req.logprobs is not None:
             req.token_logprobs.append(float(drawn.logprobs[i]))
             req.top_logprobs.append([(int(t), float(v)) for t, v in
                                      zip(drawn.top_ids[i, :req.logprobs],
                                          drawn.top_logprobs[i, :req.logprobs])])
         req.output.append(token)
+        req.versions.append(self.weights.version)
         self.new_tokens.setdefault(req.id, []).append(token)
         self.rows.last_tokens[req.row] = token
         if token in req.stop_ids:

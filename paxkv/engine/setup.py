@@ -8,7 +8,7 @@ every entry point checks sizes, meshes and prompts the same way and names the sa
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -19,6 +19,9 @@ from paxkv.cache import dense as dense_cache
 from paxkv.cache import grouped, layer_groups
 from paxkv.cache import paged as paged_cache
 from paxkv.core import buckets
+from paxkv.core.compiles import CompileStats, counting, metered
+from paxkv.core.sampling import SamplingParams
+from paxkv.engine import accounting
 from paxkv.core.protocol import KVCache
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.prefix_sharing import SharedPrefixes, WindowPrefixes
@@ -222,3 +225,39 @@ def prompt_ids(model: Any, prompt: Any, what: str = "the prompt") -> list[int]:
     if isinstance(prompt, str):
         return encode(model, prompt, what)
     return token_ids(prompt, what, text=True)
+
+
+@metered
+def warm_up(self: Any, prompt_lengths: Sequence[int], max_new_tokens: int = 4,
+            params: SamplingParams | None = None) -> CompileStats:
+    """:meth:`paxkv.Engine.warm_up` (``self``): compiles the steps a batch of prompts of
+    ``prompt_lengths`` tokens takes (its prefill calls, its decode steps at each width it
+    passes) before the first request, by running that batch on placeholder tokens: for
+    steady timings from the first real batch, warm up with one like it. The results are dropped, every page returns, the
+    prefix cache forgets them (cached under a salt of their own: what it held before
+    stays, pins too, unless they needed its room), admission's growth projection and the
+    running totals restart (``compile_stats`` keeps what this paid). Returns what this paid.
+
+    Args:
+      prompt_lengths: one placeholder prompt of each length (distinct random tokens, so
+        no prompt is served from another's pages).
+      max_new_tokens: decode steps to run.
+      params: the sampling the real requests will use (the default: greedy).
+    """
+    if self.has_work():
+        raise ValueError("warm_up runs before any request: the engine has work queued or "
+                         "running (finish or cancel it first)")
+    paid = CompileStats()
+    with counting(paid):
+        rng = np.random.default_rng(0)
+        salt = b"paxkv-warm-up\x00" + np.random.default_rng().bytes(16)  # no user's
+        p = SamplingParams.of(params, max_new_tokens=max_new_tokens, stop_token_ids=[])
+        for n in prompt_lengths:
+            self.submit(rng.integers(0, self.model.vocab_size, int(n)).tolist(), p,
+                        cache_salt=salt)
+        self.run()  # hands every result out: the table keeps none of them
+        if self.prefixes is not None:
+            self.prefixes.drop_salt(self.swap.salt(salt))
+    accounting.reset_totals(self.counters, self.ops, self.prefixes)  # compiles kept
+    self.scheduler.growth.reset()
+    return paid

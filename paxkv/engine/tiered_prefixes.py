@@ -56,7 +56,11 @@ class TieredPrefixes(SharedPrefixes):
                             for k, v in each[0].items()})
 
     def pin(self, tokens: Sequence[int], salt: str | bytes | None = None) -> list[bytes]:
-        digests = super().pin(tokens, salt)
+        """:meth:`SharedPrefixes.pin` in both tiers, all or nothing: a pin past any host
+        tier's budget raises before a device pin is set."""
+        for host in self.hosts:
+            host.check_pin(self.shards[0].digests(tokens, salt))
+        digests = super().pin(tokens, salt)  # raises (past half the pool) before a host pin
         for host in self.hosts:
             host.pin(digests)  # never dropped from the host either
         return digests
@@ -118,6 +122,11 @@ class TieredPrefixes(SharedPrefixes):
             pool, ids = cache.pools, base + host_copies.padded(pages, cache.pages_per_shard)
         arrays = host_copies.gather_pages(pool, ids)
         self.hosts[shard].put(dropped, arrays)  # starts the copies; nothing here waits
+
+    def drop_salt(self, salt: str | bytes | None) -> int:
+        for host in self.hosts:
+            host.drop_salt(salt)
+        return super().drop_salt(salt)
 
     def clear(self) -> int:
         for host in self.hosts:

@@ -39,9 +39,11 @@ def attach_rows(cache: Any, rows: jax.Array, pages: jax.Array,
     return dataclasses.replace(cache, table=table), ok
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("delta",))
-def retain_pages(cache: Any, pages: jax.Array, *, delta: int) -> Any:
-    """Adds ``delta`` references to ``pages`` (int32 ``[n]``; ids past the pool ignored)."""
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def retain_pages(cache: Any, pages: jax.Array, delta: jax.Array | int) -> Any:
+    """Adds ``delta`` references to ``pages`` (int32 ``[n]``; ids past the pool ignored).
+    ``delta`` is traced: taking (+1) and dropping (-1) references are one program, so the
+    first eviction or clear of a warm engine (a weight update's) compiles nothing."""
     return dataclasses.replace(cache, table=pt.retain(cache.table, pages, delta))
 
 
@@ -149,7 +151,7 @@ def retain(cache: Any, pages_by_shard: Sequence[Sequence[int]], delta: int) -> A
         if isinstance(cache, ShardedPagedCache):
             cache = retain_shard_pages(cache, padded, delta=delta)
         else:
-            cache = retain_pages(cache, padded[0], delta=delta)
+            cache = retain_pages(cache, padded[0], np.int32(delta))
     return cache
 
 

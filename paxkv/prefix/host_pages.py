@@ -57,10 +57,11 @@ class PinnedPages:
         self.pages.pop(slot, None)
 
     def settle(self, block: bool = False) -> int:
-        """Transfers not yet done (JAX orders a read after them: nothing lands by hand)."""
+        """Pages whose transfer is not yet done (JAX orders a read after them: nothing lands
+        by hand)."""
         if block:
             jax.block_until_ready(list(self.pages.values()))
-        return sum(not a.is_ready() for p in self.pages.values() for a in p)
+        return sum(not all(a.is_ready() for a in p) for p in self.pages.values())
 
     def clear(self) -> None:
         self.pages.clear()
@@ -102,11 +103,11 @@ class NumpyPages:
 
     def settle(self, block: bool = False) -> int:
         """Writes finished copies into the slots (every one with ``block``); returns how many
-        are still in flight."""
+        pages are still in flight."""
         for copy in list(self._pending):
             if block or all(a.is_ready() for a in copy.arrays):
                 self._land(copy)
-        return len(self._pending)
+        return sum(len(copy.slots) for copy in self._pending)
 
     def clear(self) -> None:
         self.settle(block=True)

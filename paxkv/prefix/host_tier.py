@@ -36,6 +36,7 @@ import heapq
 import time
 from typing import Any, Callable, Sequence
 
+from paxkv.prefix.chain_hash import salt_bytes
 from paxkv.prefix.host_pages import NumpyPages, PinnedPages
 
 
@@ -45,6 +46,7 @@ class _Entry:
     tokens: tuple[int, ...]
     parent: bytes  # the digest of the page before it (the salt's root for a first page)
     depth: int  # the page's position in its chain (0: a first page)
+    salt: bytes  # its chain's tenant (:meth:`HostTier.drop_salt`)
     last_used: int
     touched: float  # clock seconds at the last use (for ``ttl_s``)
 
@@ -61,7 +63,8 @@ class HostStats:
       copy_out_pages, copy_in_pages: pages copied device -> host / host -> device.
       copy_out_s, copy_in_s: host seconds spent starting copies out / copying back.
       dropped: entries dropped for room or by ``ttl_s``.
-      in_flight: copies out not yet landed.
+      in_flight: pages copied out whose copy has not landed yet (counted in pages on either
+        ``memory_kind``, however many pool arrays or transfers carry them).
       memory_kind: where pages live: "pinned_host" or "numpy" (:mod:`paxkv.prefix.host_pages`).
     """
 
@@ -146,19 +149,19 @@ class HostTier:
         return self.store.read(slots, width or len(slots))
 
     # -- changes --------------------------------------------------------------------------
-    def put(self, pages: Sequence[tuple[bytes, bytes, tuple[int, ...], int]],
+    def put(self, pages: Sequence[tuple[bytes, bytes, tuple[int, ...], int, bytes]],
             arrays: tuple[Any, ...]) -> list[int]:
-        """Takes evicted device pages: ``pages[j] = (digest, parent digest, tokens, depth)``
-        whose K/V is column ``j`` of ``arrays`` (``[layers, n >= len(pages), ...]`` per pool
-        array, device arrays still being computed or copied). Entries already held are
-        touched, not copied again; the rest get slots, dropping least recently used unpinned
-        leaves for room. Returns the columns of ``arrays`` taken (an empty list: nothing to
-        copy)."""
+        """Takes evicted device pages: ``pages[j] = (digest, parent digest, tokens, depth,
+        salt)`` (:attr:`paxkv.prefix.index.PrefixIndex.dropped`) whose K/V is column ``j`` of
+        ``arrays`` (``[layers, n >= len(pages), ...]`` per pool array, device arrays still
+        being computed or copied). Entries already held are touched, not copied again; the
+        rest get slots, dropping least recently used unpinned leaves for room. Returns the
+        columns of ``arrays`` taken (an empty list: nothing to copy)."""
         start = time.perf_counter()
         self.expire()
         self._tick += 1
         columns, slots = [], []
-        for j, (digest, parent, tokens, depth) in enumerate(pages):
+        for j, (digest, parent, tokens, depth, salt) in enumerate(pages):
             entry = self._entries.get(digest)
             if entry is not None:
                 self._touch(digest, entry)
@@ -166,7 +169,7 @@ class HostTier:
             if not self._free and not self._drop_one(keep=parent):
                 break  # everything held is pinned or an ancestor of this page
             slot = self._free.pop()
-            entry = _Entry(slot, tuple(tokens), parent, depth, self._tick, self.clock())
+            entry = _Entry(slot, tuple(tokens), parent, depth, salt, self._tick, self.clock())
             self._entries[digest] = entry
             self._kids[parent] = self._kids.get(parent, 0) + 1
             self._push(entry.last_used, -depth, digest)
@@ -179,17 +182,23 @@ class HostTier:
         return columns
 
     def settle(self, block: bool = False) -> int:
-        """Lands finished copies out (every one with ``block``); returns how many are still in
-        flight."""
+        """Lands finished copies out (every one with ``block``); returns how many pages are
+        still in flight."""
         return self.store.settle(block)
 
     def pin(self, digests: Sequence[bytes]) -> None:
-        """Never drops these digests' entries until :meth:`unpin` or :meth:`clear`."""
+        """Never drops these digests' entries until :meth:`unpin` or :meth:`clear`; raises
+        (pinning nothing) where :meth:`check_pin` does."""
+        self.check_pin(digests)
+        self.pinned.update(digests)
+
+    def check_pin(self, digests: Sequence[bytes]) -> None:
+        """Raises ValueError if pinning ``digests`` would pin more than the budget holds;
+        changes nothing."""
         if len(self.pinned | set(digests)) > self.capacity:
             raise ValueError(f"pinning {len(digests)} more pages would pin "
                              f"{len(self.pinned | set(digests))}, past the host tier's "
                              f"{self.capacity}: raise host_cache_bytes or unpin some first")
-        self.pinned.update(digests)
 
     def unpin(self, digests: Sequence[bytes]) -> None:
         for d in digests:
@@ -209,6 +218,16 @@ class HostTier:
         for _, digest in reversed(old):  # deepest first: children before their parent
             if not self._kids.get(digest):
                 self._remove(digest)
+
+    def drop_salt(self, salt: str | bytes | None) -> int:
+        """Forgets ``salt``'s every entry (pinned too; the pins stay, as digests), deepest
+        first; returns how many went. Other salts' entries stay as they were."""
+        salt = salt_bytes(salt)
+        mine = sorted((e.depth, d) for d, e in self._entries.items() if e.salt == salt)
+        for _, digest in reversed(mine):  # children before their parent
+            self._remove(digest)
+        self.dropped -= len(mine)  # not dropped for room nor by age
+        return len(mine)
 
     def clear(self) -> int:
         """Forgets every entry and pin (copies in flight land first); returns how many

@@ -1,13 +1,10 @@
 """The prefix cache: a host-side index from chained page hashes to physical pages.
 
 Each full page of a sequence is named by a digest chained over everything before it, with a
-tenant salt mixed into every link, so equal digests mean equal prefixes of the same tenant::
-
-    d_0 = sha256(root(salt) | salt | tokens[0:ps])        root(salt) = sha256(salt)
-    d_i = sha256(d_(i-1)    | salt | tokens[i*ps:(i+1)*ps])
-
-The index is a tree of such pages per salt; the token ids are kept in each node and compared
-on every hit, so a hash collision can never serve another prefix's KV::
+tenant salt mixed into every link (:mod:`paxkv.prefix.chain_hash`), so equal digests mean equal
+prefixes of the same tenant. The index is a tree of such pages per salt; the token ids are kept
+in each node and compared on every hit, so a hash collision can never serve another prefix's
+KV::
 
     root(salt) -- d0:p4 -- d1:p9 -- d2:p1      one prompt's chain
                       \\-- d1':p12              another continuation of the same first page
@@ -20,18 +17,19 @@ those ``r`` slots and copies it before its first write (copy-on-write in
 :func:`paxkv.table.page_table.reserve`): a shared prefix ending mid-page is reused to the token.
 
 Eviction drops chain tails (leaves) whose only holder is the index, least recently used first
-(:attr:`PrefixIndex.dropped` says what, for the host tier). Plain host Python; nothing traced.
+(:attr:`PrefixIndex.dropped` says what, for the host tier); :meth:`PrefixIndex.drop_salt`
+forgets one salt's tree. Plain host Python; nothing traced.
 """
 
 from __future__ import annotations
 
-import array
 import dataclasses
-import hashlib
 import heapq
 from typing import Sequence
 
 import numpy as np
+
+from paxkv.prefix.chain_hash import chain, link, root_digest, salt_bytes
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,6 +39,7 @@ class _Node:
     tokens: tuple[int, ...]
     parent: "_Node | None"
     depth: int  # 0 for a root, 1 for a first page
+    salt: bytes = b""  # its tree's
     last_used: int = 0
     children: dict[bytes, "_Node"] = dataclasses.field(default_factory=dict)
 
@@ -73,24 +72,6 @@ class Entry:
     salt: bytes
     digest: bytes
     parent_digest: bytes
-
-
-def root_digest(salt: bytes) -> bytes:
-    return hashlib.sha256(b"paxkv-root" + salt).digest()
-
-
-def salt_bytes(salt: str | bytes | None) -> bytes:
-    if salt is None:
-        return b""
-    return salt.encode() if isinstance(salt, str) else bytes(salt)
-
-
-def _link(parent: bytes, salt: bytes, tokens: Sequence[int]) -> bytes:
-    h = hashlib.sha256(parent)
-    h.update(len(salt).to_bytes(4, "little"))
-    h.update(salt)
-    h.update(array.array("q", tokens).tobytes())
-    return h.digest()
 
 
 class PrefixIndex:
@@ -129,18 +110,13 @@ class PrefixIndex:
     def _root(self, salt: bytes, create: bool) -> _Node | None:
         root = self._roots.get(salt)
         if root is None and create:
-            root = _Node(root_digest(salt), -1, (), None, 0)
+            root = _Node(root_digest(salt), -1, (), None, 0, salt)
             self._roots[salt] = root
         return root
 
     def digests(self, tokens: Sequence[int], salt: str | bytes | None = None) -> list[bytes]:
         """The chained digests of every full page of ``tokens``."""
-        salt, ps = salt_bytes(salt), self.page_size
-        parent, out = root_digest(salt), []
-        for i in range(len(tokens) // ps):
-            parent = _link(parent, salt, tokens[i * ps:(i + 1) * ps])
-            out.append(parent)
-        return out
+        return chain(tokens, salt, self.page_size)
 
     # -- lookups --------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], salt: str | bytes | None = None, *,
@@ -158,7 +134,7 @@ class PrefixIndex:
         while (len(pages) + 1) * ps <= limit:
             start = len(pages) * ps
             chunk = tuple(tokens[start:start + ps])
-            child = self._nodes.get(_link(node.digest, salt, chunk))
+            child = self._nodes.get(link(node.digest, salt, chunk))
             if child is None or child.parent is not node or child.tokens != chunk:
                 break
             node = child
@@ -201,13 +177,13 @@ class PrefixIndex:
         new = []
         for i in range(min(len(tokens) // ps, len(pages))):
             chunk = tuple(int(t) for t in tokens[i * ps:(i + 1) * ps])
-            digest = _link(node.digest, salt, chunk)
+            digest = link(node.digest, salt, chunk)
             child = self._nodes.get(digest)
             if child is None:
                 page = int(pages[i])
                 if page in self._by_page or page < 0:
                     break
-                child = _Node(digest, page, chunk, node, node.depth + 1)
+                child = _Node(digest, page, chunk, node, node.depth + 1, salt)
                 node.children[digest] = child
                 self._nodes[digest] = child
                 self._by_page[page] = child
@@ -234,12 +210,13 @@ class PrefixIndex:
                 if evictable(n)]
         heapq.heapify(heap)
         out: list[int] = []
-        self.dropped = []  # (digest, parent digest, tokens, position) of each page dropped
+        self.dropped = []  # (digest, parent digest, tokens, position, salt) per page dropped
         while heap and len(out) < num:
             node = heapq.heappop(heap)[-1]
             self._remove(node)
             out.append(node.page)
-            self.dropped.append((node.digest, node.parent.digest, node.tokens, node.depth - 1))
+            self.dropped.append((node.digest, node.parent.digest, node.tokens, node.depth - 1,
+                                 node.salt))
             parent = node.parent
             if parent is not None and evictable(parent):
                 heapq.heappush(heap, (parent.last_used, -parent.depth, parent.page, parent))
@@ -270,6 +247,18 @@ class PrefixIndex:
         self._nodes.clear()
         self._by_page.clear()
         return pages
+
+    def drop_salt(self, salt: str | bytes | None) -> list[int]:
+        """Forgets every page of ``salt``'s tree (another's holds aside; not counted as
+        evicted); returns them (release each once). Other salts' pages stay as they were."""
+        root = self._roots.pop(salt_bytes(salt), None)
+        stack, out = [] if root is None else list(root.children.values()), []
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            del self._nodes[node.digest], self._by_page[node.page]
+            out.append(node.page)
+        return sorted(out)
 
     def drop_leaf(self, page: int) -> int | None:
         """Forgets ``page`` if no cached page chains below it; returns its parent's page (-1:

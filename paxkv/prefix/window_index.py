@@ -196,6 +196,16 @@ class WindowPrefixIndex:
             return sum(int(refs[p]) == 1 and p not in protect for p in self._owner[0])
         return self.chain.evictable(self._node_refs(refs), self._nodes(protect))
 
+    def drop_salt(self, salt: str | bytes | None) -> Pages:
+        """Forgets every block of ``salt``'s (not counted as evicted); returns their pages per
+        group (release each once). Other salts' blocks stay as they were."""
+        dropped: Pages = [[] for _ in self.windows]
+        for node in self.chain.drop_salt(salt):
+            for g, page in enumerate(self._forget(node)):
+                if page >= 0:
+                    dropped[g].append(page)
+        return dropped
+
     def clear(self) -> Pages:
         """Forgets everything; returns every page held, per group (release each once)."""
         pages = [self.group_pages(g) for g in range(len(self.windows))]

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from paxkv.core.compiles import CompileStats, metered, use_persistent_cache
 from paxkv.core.protocol import check_model
 from paxkv.engine import policy
-from paxkv.engine import routing as shard_routing
+from paxkv.scale import routing as shard_routing
 from paxkv.engine.cache_ops import CacheOps
 from paxkv.engine.setup import build_cache, place_model
 from paxkv.prefix.index import Hit
