@@ -319,3 +319,20 @@ def test_processed_logprobs_are_the_sampling_frequencies():
     for tok, prob in probs.items():
         freq = float(np.mean(tokens == tok))
         assert abs(freq - prob) < 4 * np.sqrt(prob * (1 - prob) / n) + 1e-3, (tok, freq, prob)
+
+
+def test_a_held_row_refilled_from_the_prefix_cache_makes_no_token():
+    """A held row whose every fed token is cached (stale K/V kept on purpose) is refilled
+    without a step: it keeps its tokens (it once drew one more) and the host's free-page
+    count stays the device's (it once kept what admission booked)."""
+    lm = _lm()
+    engine = paxkv.Engine(lm, **OPTS)
+    rid = engine.submit(PROMPT[:16], max_new_tokens=1, stop_token_ids=[], hold=True)
+    first = engine.run()[rid]
+    engine.update_params(_scaled(lm.params, 1.0), in_flight="recompute",
+                         keep_prefix_cache=True)
+    engine.step()
+    again = engine.result(rid)
+    assert again.token_ids == first.token_ids and again.finish_reason == "length"
+    assert engine.ops.free == int(engine.cache.free_pages())
+    assert engine.table.requests[rid].cached == 16 and not engine.has_work()

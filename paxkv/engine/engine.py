@@ -15,10 +15,9 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
-from paxkv.core.compiles import CompileStats, counting, metered, use_persistent_cache
+from paxkv.core.compiles import CompileStats, metered, use_persistent_cache
 from paxkv.core.protocol import KVCache, check_model
 from paxkv.core.sampling import SamplingParams, check_logprobs_mode
 from paxkv.engine import accounting, policy

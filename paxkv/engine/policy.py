@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from paxkv.core import buckets
+from paxkv.core import plan as plan_rules
 from paxkv.core.plan import AttentionPlan
 from paxkv.engine.requests import Request
 
@@ -256,3 +257,23 @@ class Shapes:
                 return compiled[i]
         compiled.append(plan)
         return plan
+
+
+def step_plan(cache: Any, shares: bool, stepping: list[Request], longest: int,
+              decode_lengths: list[int] | None = None,
+              final: int | None = None) -> AttentionPlan:
+    """A step's attention plan over ``cache``: the window of the ``longest`` row, the pages
+    every stepping row shares (their cached tokens' common prefix, when rows may share pages:
+    ``shares``) and, for a decode step, the chunk list of the rows' own tokens
+    (``decode_lengths``). ``final``: a decode step's longest row at its end
+    (:func:`decode_window_tokens`)."""
+    prefix = 0
+    if cache.shares_pages and shares:
+        prefix = plan_rules.shared_prefix_pages(
+            [r.tokens[:min(x.cached for x in stepping)] for r in stepping], cache.page_size)
+    if final is not None:
+        longest = decode_window_tokens(longest, final, prefix * cache.page_size)
+    return plan_rules.plan_step(
+        longest=longest, max_len=cache.max_len, page_size=cache.page_size,
+        prefix_pages=prefix, decode_lengths=decode_lengths if cache.shares_pages else None,
+        max_seqs=cache.max_seqs)

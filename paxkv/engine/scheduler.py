@@ -147,8 +147,11 @@ class Scheduler:
         return admitted
 
     def prefill(self, group: list[Request]) -> None:
-        self._prefilled([r for r in group if r.cached >= r.target])  # fully cached
+        full = [r for r in group if r.cached >= r.target]  # before _prefilled moves targets
         group = policy.prefill_order([r for r in group if r.cached < r.target])
+        if full:  # fully cached: no step runs for them, so count what admission booked
+            self._prefilled(full)
+            self.ops.refresh_free()
         while group:
             t = policy.prefill_width(max(r.target - r.cached for r in group), self.prefill_chunk)
             b_max = policy.prefill_batch_rows([r.target - r.cached for r in group], t,
@@ -257,23 +260,12 @@ class Scheduler:
             self.life.preempt(victim)
 
     def plan(self, stepping: list[Request], longest: int,
-              decode_lengths: list[int] | None = None,
-              final: int | None = None) -> attention_plan.AttentionPlan:
-        """The step's attention plan: the window of the longest row, the pages every stepping
-        row shares (their cached tokens' common prefix, when rows may share pages) and, for a
-        decode step, the chunk list of the rows' own tokens. ``final``: a decode step's
-        longest row at its end (:func:`paxkv.engine.policy.decode_window_tokens`)."""
-        cache = self.ops.cache
-        prefix = 0
-        if cache.shares_pages and self.ops.shares:
-            prefix = attention_plan.shared_prefix_pages(
-                [r.tokens[:min(x.cached for x in stepping)] for r in stepping], cache.page_size)
-        if final is not None:
-            longest = policy.decode_window_tokens(longest, final, prefix * cache.page_size)
-        self.last_plan = attention_plan.plan_step(
-            longest=longest, max_len=cache.max_len, page_size=cache.page_size,
-            prefix_pages=prefix, decode_lengths=decode_lengths if cache.shares_pages else None,
-            max_seqs=cache.max_seqs)
+             decode_lengths: list[int] | None = None,
+             final: int | None = None) -> attention_plan.AttentionPlan:
+        """The step's attention plan (:func:`paxkv.engine.policy.step_plan`), kept as
+        :attr:`last_plan`."""
+        self.last_plan = policy.step_plan(self.ops.cache, self.ops.shares, stepping, longest,
+                                          decode_lengths, final)
         return self.last_plan
 
     # -- bookkeeping -----------------------------------------------------------------------

@@ -54,9 +54,9 @@ def attach_shard_rows(cache: ShardedPagedCache, pages: jax.Array,
     return cache.attach(pages, lengths)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("delta",))
-def retain_shard_pages(cache: ShardedPagedCache, pages: jax.Array, *,
-                       delta: int) -> ShardedPagedCache:
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def retain_shard_pages(cache: ShardedPagedCache, pages: jax.Array,
+                       delta: jax.Array | int) -> ShardedPagedCache:
     """:meth:`ShardedPagedCache.retain` (pages int32 ``[data, n]``, shard-local ids)."""
     return cache.retain(pages, delta)
 
@@ -68,9 +68,9 @@ def attach_group_rows(cache: GroupedPagedCache, rows: jax.Array, pages: jax.Arra
     return cache.attach(rows, pages, lengths, first)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("delta",))
-def retain_group_pages(cache: GroupedPagedCache, pages: jax.Array, *,
-                       delta: int) -> GroupedPagedCache:
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def retain_group_pages(cache: GroupedPagedCache, pages: jax.Array,
+                       delta: jax.Array | int) -> GroupedPagedCache:
     """:meth:`GroupedPagedCache.retain` (pages int32 ``[groups, n]``, group-local ids)."""
     return cache.retain(pages, delta)
 
@@ -94,7 +94,7 @@ def retain_groups(cache: GroupedPagedCache, pages: Sequence[Sequence[int]],
     """``cache`` with ``delta`` more references on each group's pages (``pages[g]``)."""
     past = max(cache.groups.num_pages) + 1  # past every group's pool: ignored
     for padded in _padded_chunks(pages, past):
-        cache = retain_group_pages(cache, padded, delta=delta)
+        cache = retain_group_pages(cache, padded, np.int32(delta))
     return cache
 
 
@@ -149,7 +149,7 @@ def retain(cache: Any, pages_by_shard: Sequence[Sequence[int]], delta: int) -> A
     shard ``s``'s ids; a one-device cache takes one list)."""
     for padded in _padded_chunks(pages_by_shard, cache.num_pages):  # past the pool: ignored
         if isinstance(cache, ShardedPagedCache):
-            cache = retain_shard_pages(cache, padded, delta=delta)
+            cache = retain_shard_pages(cache, padded, np.int32(delta))
         else:
             cache = retain_pages(cache, padded[0], np.int32(delta))
     return cache

@@ -223,11 +223,12 @@ class ShardedPagedCache:
     def retain(self, pages: jax.Array, delta: int) -> "ShardedPagedCache":
         """``delta`` more references on each shard's ``pages`` (int32 ``[data, n]``, row
         ``s`` shard ``s``'s ids; ids past its pool are ignored): the prefix index's holds."""
-        def fn(c, _, mine):
-            return c.pool, pt.retain(c.table, mine[0], delta)
+        def fn(c, _, shared):
+            mine, by = shared
+            return c.pool, pt.retain(c.table, mine[0], by)
         return self.with_state(self.per_device(
-            fn, shared=jnp.asarray(pages, jnp.int32), shared_specs=pmesh.SHARDED,
-            out_specs=STATE))
+            fn, shared=(jnp.asarray(pages, jnp.int32), jnp.asarray(delta, jnp.int32)),
+            shared_specs=(pmesh.SHARDED, pmesh.REPLICATED), out_specs=STATE))
 
     def _to_local(self, rows: jax.Array, mine: jax.Array) -> jax.Array:
         """Global row ids -> this shard's local ids, -1 where not ``mine``."""
