@@ -1,11 +1,13 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - the main job: 32 chat users through the paged cache on SmolLM2-135M-Instruct
-#   make test   - the whole test suite (installs the test-only HF transformers oracle too)
+#   make test   - the whole test suite (installs the test-only HF transformers oracle too),
+#                 then the documentation site built with warnings as errors
+#   make docs   - the documentation site alone (docs/_build/html)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-fast experiments clean
+.PHONY: demo test test-fast docs experiments clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,11 +17,11 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 $(VENV)/.testing: $(VENV)/.runtime
-	$(PY) -m pip install -q -e '.[test,oracle,eval]'
+	$(PY) -m pip install -q -e '.[test,oracle,eval,docs]'
 	touch $@
 
 # The demo uses paxkv's persistent compilation cache (~/.cache/paxkv/jax): a second run loads
-# its compiled steps instead of compiling them (README, "Compile once"). The tests keep theirs
+# its compiled steps instead of compiling them (docs/engine.md, "Compile once"). The tests keep theirs
 # under pytest's cache dir (tests/conftest.py): a second `make test-fast` loads most steps.
 # (A worker's segfault inside XLA's compile, once blamed on the cache's write, was the process
 # running out of memory mappings: tests/conftest.py bounds them; experiments/LOG.md, 12-02.)
@@ -39,9 +41,17 @@ demo: $(VENV)/.runtime
 QUICK_XLA := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
+# The site: MyST guides and API pages from the docstrings (docs/conf.py), warnings as errors.
+# Its code blocks run in tests/test_docs.py; the build checks the markup and the references.
+SPHINX := $(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
 test: $(VENV)/.testing
 	$(PYTEST) --durations=10 -m model
 	XLA_FLAGS="$(QUICK_XLA) $(XLA_FLAGS)" $(PYTEST) --durations=10 -m "not model"
+	$(SPHINX)
+
+docs: $(VENV)/.testing
+	$(SPHINX)
 
 # The edit-test loop: no HF oracle, no run of the 135M model, no long run (`slow`), one case
 # of each parametrized grid (`grid`), no forced-device subprocesses (`devices`).
@@ -49,4 +59,4 @@ test-fast: $(VENV)/.testing
 	XLA_FLAGS="$(QUICK_XLA) $(XLA_FLAGS)" $(PYTEST) -m "not oracle and not model and not slow and not grid and not devices"
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .jax_cache
+	rm -rf $(VENV) results .pytest_cache .jax_cache docs/_build

@@ -220,24 +220,6 @@ def test_engine_serves_a_window_model_from_the_grouped_cache():
     assert greedy == want
 
 
-def test_readme_sliding_window_block_runs_and_keeps_window_layers_small():
-    """The README's sliding-window block, as written: every step's window layers hold at most
-    ``ceil(16 / 8) + 1`` pages a row while the global layer holds the whole context, and every
-    page is back at the end."""
-    import pathlib  # noqa: PLC0415
-    import re  # noqa: PLC0415
-
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block, = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-              if b.startswith("# sliding windows")]
-    namespace: dict = {}
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
-    held, engine = namespace["held"], namespace["engine"]
-    assert max(w for _, w in held) <= 3 < max(g for g, _ in held) == 21
-    assert held[-2] == [21, 3] and held[-1] == [0, 0]
-    assert engine.stats().kv_bytes_used == 0 < engine.stats().peak_kv_bytes_used
-
-
 def test_beam_search_on_a_window_model_runs_the_grouped_cache(monkeypatch) -> None:
     """``beam_search`` on a model with window layers searches over the layer-grouped cache
     (window pages released as the beams move on: fork, reorder and release per group) and

@@ -10,8 +10,8 @@ between steps, a cancel, prefix hits, preemption) gives the same tokens, counter
 pages either way. Each run has a deadline, so a stuck worker (gloo waits for a dead
 peer) fails the test instead of hanging it. The launcher itself: a process that fails stops
 the others and names itself; the deadline stops them all; it runs from any directory (the
-current one and the checkout on the children's path). The README's "Several processes"
-program runs as written (on the tiny model) through the launcher.
+current one and the checkout on the children's path). The mesh guide's "Several processes"
+program (``docs/mesh.md``) runs as written (on the tiny model) through the launcher.
 """
 
 from __future__ import annotations
@@ -144,26 +144,27 @@ def test_the_launcher_runs_from_any_directory(tmp_path, monkeypatch):
     assert multiprocess.output_path(args) == str(work / "results" / "multiprocess_quick.json")
 
 
-# The README's "Several processes" program, run as written but on the tiny model.
-README_PROGRAM = """
+# The "Several processes" program of docs/mesh.md, run as written but on the tiny model.
+DOCS_PROGRAM = """
 import sys
 sys.path.insert(0, {tests!r})
 from tiny import tiny_lm
 from paxkv import models
 models.load = lambda *args, **kwargs: tiny_lm(scale=1.0)  # the only change: no 135M load
-exec(compile({block!r}, "README.md", "exec"), {{"__name__": "__main__"}})
+exec(compile({block!r}, "docs/mesh.md", "exec"), {{"__name__": "__main__"}})
 """
 
 
-def test_the_readme_several_processes_program_runs_as_written(tmp_path, monkeypatch):
-    """The README's block is a whole program: 2 processes x 2 devices, from a folder outside
-    the checkout, every row's 8 tokens printed by process 0, every reserve ok."""
-    text = (ROOT / "README.md").read_text()
+def test_the_docs_several_processes_program_runs_as_written(tmp_path, monkeypatch):
+    """The guide's block is a whole program: 2 processes x 2 devices, from a folder outside
+    the checkout, every row's 8 tokens printed by process 0, every reserve ok
+    (``tests/test_docs.py`` skips it: it needs devices and processes of its own)."""
+    text = (ROOT / "docs" / "mesh.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
               if b.startswith("# several processes")]
-    assert len(blocks) == 1, f"{len(blocks)} README blocks start '# several processes'"
+    assert len(blocks) == 1, f"{len(blocks)} blocks of docs/mesh.md start '# several processes'"
     script = tmp_path / "loop.py"
-    script.write_text(README_PROGRAM.format(tests=str(ROOT / "tests"), block=blocks[0]))
+    script.write_text(DOCS_PROGRAM.format(tests=str(ROOT / "tests"), block=blocks[0]))
     monkeypatch.chdir(tmp_path)
     for key, value in NO_SHARED_COMPILES.items():
         monkeypatch.setenv(key, value)

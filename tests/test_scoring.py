@@ -1,6 +1,6 @@
 """paxkv.score: shared (fork) == unshared == dense == the cache-less forward, the pool free after
 every call, copy-on-write copies as the fork pattern predicts, bad input, rolling windows as
-lm-eval makes them, and the README's scoring example.
+lm-eval makes them (the scoring guide's examples run in ``tests/test_docs.py``).
 
 Most tests run a tiny random Llama (``tests/tiny.py``: exactness and bookkeeping, not model
 quality); a few run the default model.
@@ -9,8 +9,6 @@ quality); a few run the default model.
 from __future__ import annotations
 
 import functools
-import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -351,21 +349,6 @@ def test_default_model_shared_unshared_dense_agree(lm):
         assert [a.is_greedy for a in res] == [b.is_greedy for b in runs[0]]
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-def test_readme_scoring_example_equals_score(lm):
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-              if "scoring.score_step" in b]
-    assert len(blocks) == 1, "the README's Scoring section has one example"
-    namespace: dict = {}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)  # noqa: S102
-    want = paxkv.score(lm, [(namespace["ctx"], c) for c in namespace["choices"]])
-    assert np.allclose(namespace["scores"], [r.logprob for r in want], rtol=TOL, atol=TOL)
-    cache = namespace["cache"]
-    assert int(cache.free_pages()) == cache.num_pages
-
-
 def test_a_pool_without_num_pages_stays_in_the_kv_budget(tiny, monkeypatch):
     monkeypatch.setattr(paxkv.scoring, "KV_BUDGET_BYTES", 40 << 10)  # 10 pages of 16 here
     pairs = [((1,) * 190, (2, 3))]
@@ -373,17 +356,6 @@ def test_a_pool_without_num_pages_stays_in_the_kv_budget(tiny, monkeypatch):
     assert paged.cache.num_pages == buckets.cdiv(256, 16)  # one whole row of 256, no more
     dense = scorer_for(tiny, pairs, max_seqs=32, cache="dense")
     assert dense.cache.max_seqs == 1
-
-
-def test_readme_score_example_runs(lm):
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-              if 'paxkv.score(lm, [(ctx, " honey")' in b]
-    assert len(blocks) == 1
-    namespace: dict = {}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)  # noqa: S102
-    results = namespace["results"]
-    assert len(results) == 3 and len(results[2].token_logprobs) > 1
-    assert max(results, key=lambda r: r.logprob) is results[0]  # " honey"
 
 
 def test_an_int8_pool_counts_its_scales_in_the_kv_budget(tiny, monkeypatch):

@@ -85,7 +85,8 @@ class PaxkvLM(TemplateLM):
       batch_size: cache rows (contexts + continuations in flight); "auto": 32.
       max_batch_size: caps "auto".
       device: must name JAX's backend ("cpu", "cuda"...), or None.
-      page_size, kv_dtype ("float32" / "bfloat16"), cache ("paged" / "dense"): the cache.
+      page_size, kv_dtype, cache: the cache (``kv_dtype`` "float32" / "bfloat16", ``cache``
+        "paged" / "dense").
       max_length: tokens the model sees per request (default: the model's context length,
         as the ``hf`` backend reads it).
       share: prefill each distinct context once and fork it (False: each pair alone).

@@ -1,4 +1,4 @@
-"""Scoring: log-likelihoods of continuations, each distinct context prefilled once and forked.
+"""Scoring: log-likelihoods of continuations, each distinct context prefilled once and forked::
 
     results = paxkv.score(lm, [("The capital of France is", " Paris"),
                                ("The capital of France is", " London")])
