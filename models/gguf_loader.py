@@ -13,12 +13,20 @@ HF's rotate-half RoPE, so GGUF and HF checkpoints share one model. Within each h
 
 Gemma files keep llama.cpp's conventions: norm weights stored as ``1 + w``, the sliding-window
 layout as a pattern (every 2nd / 6th layer global), and the 27B models' softmax scale
-``(hidden / heads) ** -0.5`` implied by their layer count.
+``(hidden / heads) ** -0.5`` implied by their layer count. What a Gemma-3 file leaves out takes
+HF's ``Gemma3TextConfig`` defaults, as transformers' GGUF loader does: local RoPE base 10,000
+(unless ``rope.freq_base_swa``), ``query_pre_attn_scalar`` = head_dim, no final soft cap (unless
+``final_logit_softcapping``); tied embeddings when there is no ``output.weight``. Gemma-3 270M in
+Q4_K_M (``tests/test_gemma3_real.py``) matches HF's logits to ~3e-6 per row.
+
+Every tensor type the installed ``gguf`` library dequantises loads (:data:`SUPPORTED_TYPES`,
+asked of the library, not listed here); another fails before any weight is read, naming it.
 """
 
 from __future__ import annotations
 
 import os
+from importlib.metadata import version
 from typing import Any
 
 import gguf
@@ -28,12 +36,21 @@ import numpy as np
 from .config import DecoderConfig, LinearRopeScaling
 from .params import Params, build_params
 
-SUPPORTED_TYPES = frozenset({
-    gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-    gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.Q8_0,
-    gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-    gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K,
-})
+
+def _dequantizable() -> frozenset[gguf.GGMLQuantizationType]:
+    """Every tensor type the installed ``gguf`` library dequantises, asked of the library: one
+    all-zero block of each type it knows the size of, through ``gguf.quants.dequantize``."""
+    readable = set()
+    for qtype, (_, nbytes) in gguf.GGML_QUANT_SIZES.items():
+        try:
+            gguf.quants.dequantize(np.zeros((1, nbytes), np.uint8), qtype)
+        except (NotImplementedError, ValueError):  # gguf-py: "not yet implemented"
+            continue
+        readable.add(qtype)
+    return frozenset(readable)
+
+
+SUPPORTED_TYPES = _dequantizable()
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 _LAYER_NAMES = {
@@ -108,6 +125,8 @@ def config_from_gguf(reader: gguf.GGUFReader, path: str = "<gguf>") -> DecoderCo
     head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // heads))
     scalar = hidden // heads if _GEMMA_27B_LAYERS.get(arch) == layers else head_dim
     eos = [metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    if arch in _GEMMA_PATTERN:
+        eos.append(_token_id(reader, "<end_of_turn>"))
     return DecoderConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),
         hidden_size=hidden,
@@ -126,6 +145,14 @@ def config_from_gguf(reader: gguf.GGUFReader, path: str = "<gguf>") -> DecoderCo
         **_rope_fields(reader, arch, tensors, path),
         **_gemma_fields(reader, arch, layers, scalar),
     )
+
+
+def _token_id(reader: gguf.GGUFReader, text: str) -> int | None:
+    """The id of the vocabulary's token ``text`` (None if absent). llama.cpp ends a generation
+    at Gemma's ``<end_of_turn>`` though its files name only ``<eos>``, as HF's Gemma
+    instruction-tuned generation configs do."""
+    tokens = metadata(reader, "tokenizer.ggml.tokens") or []
+    return tokens.index(text) if text in tokens else None
 
 
 def _rope_fields(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any], path: str
@@ -175,7 +202,8 @@ def _check_types(reader: gguf.GGUFReader, path: str) -> None:
         if t.tensor_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(x.name for x in SUPPORTED_TYPES))
             raise ValueError(f"{path!r}: tensor {t.name!r} has type {t.tensor_type.name}, which "
-                             f"paxkv cannot dequantise (supported: {supported})")
+                             f"the installed gguf library ({version('gguf')}) cannot dequantise "
+                             f"(it reads: {supported})")
 
 
 def _dequantize(t: Any) -> np.ndarray:

@@ -1,9 +1,11 @@
 """Text <-> token ids and chat prompts, from GGUF metadata or an HF ``tokenizer.json``.
 
-The GGUF path rebuilds the byte-level BPE that ``tokenizer.ggml.*`` describes with the
-``tokenizers`` library (Rust, batched), so neither path needs transformers at run time. The chat
-template is rendered with jinja2 in the same sandboxed environment transformers uses, so
-``chat_prompt`` equals HF's ``apply_chat_template(..., tokenize=False)``.
+The GGUF path rebuilds what ``tokenizer.ggml.*`` describes, byte-level BPE (``gpt2``) or
+SentencePiece (``llama``, :mod:`models.sentencepiece`), with the ``tokenizers`` library (Rust,
+batched) as HF transformers' GGUF converter builds it, so neither path needs transformers at run
+time. The chat template is rendered with jinja2 in the same sandboxed environment transformers
+uses, so ``chat_prompt`` equals HF's ``apply_chat_template(..., tokenize=False)``; a Gemma
+vocabulary whose file has no template gets Gemma's turns (:data:`GEMMA_TURNS`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,29 @@ from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from .sentencepiece import sentencepiece_backend
+
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# Gemma's turns (its instruction-tuned models' template, Gemma 1 to 3), for a Gemma vocabulary
+# whose file carries no template: a system message opens the first user turn, "assistant" is
+# "model". No BOS: ``encode`` adds it.
+GEMMA_TURNS = (
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n'"
+    " + (prefix if loop.first else '') + m['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+GGUF_TOKENIZERS = ("gpt2", "llama")  # tokenizer.ggml.model: byte-level BPE, SentencePiece
 _GGUF_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                      "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 
@@ -73,8 +93,22 @@ _PRE_TOKENIZERS = {
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre not in _PRE_TOKENIZERS:
         warnings.warn(f"GGUF pre-tokenizer {pre!r} is unknown to paxkv; splitting text the GPT-2 "
-                      "way, which may tokenize some text differently from llama.cpp", stacklevel=3)
+                      "way, which may tokenize some text differently from llama.cpp", stacklevel=4)
     return _PRE_TOKENIZERS.get(pre, _byte_level)()
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Backend:
+    """Byte-level BPE: the vocabulary in GPT-2's byte spelling, the file's merges, and the
+    pre-tokenizer ``tokenizer.ggml.pre`` names."""
+    alphabet = byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode())): i
+             for i, t in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges],
+                                 fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
 
 def _bos_eos_processor(special: dict[str, str], ids: dict[str, int], add_bos: bool,
@@ -86,10 +120,14 @@ def _bos_eos_processor(special: dict[str, str], ids: dict[str, int], add_bos: bo
     missing = [name for name in wanted if name not in special]
     if missing:
         raise ValueError(f"GGUF asks to add {missing} but defines no such token id")
-    single = " ".join(([special["bos_token"]] if add_bos else []) + ["$A"]
-                      + ([special["eos_token"]] if add_eos else []))
-    return processors.TemplateProcessing(
-        single=single, special_tokens=[(special[n], ids[n]) for n in wanted])
+
+    def around(seq: str, type_id: int) -> list[str]:
+        return ([f"{special['bos_token']}:{type_id}"] if add_bos else []) + [f"${seq}:{type_id}"] \
+            + ([f"{special['eos_token']}:{type_id}"] if add_eos else [])
+
+    return processors.TemplateProcessing(  # a pair as HF's tokenizers frame it
+        single=" ".join(around("A", 0)), pair=" ".join(around("A", 0) + around("B", 1)),
+        special_tokens=[(special[n], ids[n]) for n in wanted])
 
 
 class Tokenizer:
@@ -109,33 +147,45 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> "Tokenizer":
-        """Byte-level BPE (``tokenizer.ggml.model == "gpt2"``) from a GGUF file's metadata."""
+        """The tokenizer a GGUF file's ``tokenizer.ggml.*`` metadata describes: byte-level BPE
+        (``model == "gpt2"``) or SentencePiece (``"llama"``, :mod:`models.sentencepiece`).
+        Without a chat template in the file, a Gemma vocabulary gets Gemma's turns."""
         field = lambda key: (f.contents() if (f := reader.fields.get(key)) else None)  # noqa: E731
         kind = field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', "
-                             "byte-level BPE)")
         tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type") or []
-        alphabet = byte_alphabet()
-        spelled = set(alphabet.values())
-        vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode())): i
-                 for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
-        backend = Backend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty == _CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
         ids = {name: int(i) for name, key in _GGUF_SPECIAL_IDS.items()
                if (i := field(f"tokenizer.ggml.{key}")) is not None}
         special = {name: tokens[i] for name, i in ids.items()}
-        processor = _bos_eos_processor(special, ids, bool(field("tokenizer.ggml.add_bos_token")),
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, field("tokenizer.ggml.merges") or [],
+                                      field("tokenizer.ggml.pre"))
+        elif kind == "llama":
+            backend = sentencepiece_backend(tokens, field("tokenizer.ggml.scores"),
+                                            field("general.architecture"),
+                                            special.get("unk_token"))
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2', "
+                             "byte-level BPE, and 'llama', SentencePiece)")
+        # NOTE: a token is added whole only as the vocabulary spells it (HF's rule): one it
+        # respells (byte-level bytes, Gemma's runs of spaces) would get a new id past the vocab.
+        spelled = [t for t in tokens if backend.token_to_id(t) is not None]
+        kinds = dict(zip(tokens, types))
+        named = set(special.values())  # BOS, EOS, UNK, PAD: special whatever their type
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t in spelled if kinds.get(t) == _CONTROL or t in named])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in spelled
+                            if kinds.get(t) == _USER_DEFINED and t not in named])
+        add_bos = field("tokenizer.ggml.add_bos_token")
+        if add_bos is None:  # llama.cpp adds BOS to a SentencePiece vocabulary that is silent
+            add_bos = kind == "llama"
+        processor = _bos_eos_processor(special, ids, bool(add_bos),
                                        bool(field("tokenizer.ggml.add_eos_token")))
         if processor is not None:
             backend.post_processor = processor
-        return cls(backend, field("tokenizer.chat_template"), special)
+        template = field("tokenizer.chat_template")
+        if template is None and {"<start_of_turn>", "<end_of_turn>"} <= set(spelled):
+            template = GEMMA_TURNS
+        return cls(backend, template, special)
 
     @classmethod
     def from_hf_folder(cls, folder: str | os.PathLike) -> "Tokenizer":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 
 import gguf
@@ -225,11 +226,34 @@ def test_truncated_gguf(tiny_gguf, tmp_path, keep: int) -> None:
 
 
 def test_unsupported_quant_type(tmp_path) -> None:
-    path = str(tmp_path / "q5.gguf")
+    """A type the gguf library cannot dequantise fails at once, naming the file, the tensor and
+    the type."""
+    unreadable = [t for t, (block, _) in gguf.GGML_QUANT_SIZES.items()
+                  if t not in SUPPORTED_TYPES and 64 % block == 0 and t.name.startswith("Q")]
+    if not unreadable:
+        pytest.skip("the installed gguf library dequantises every block type")
+    qtype = unreadable[0]
+    path = str(tmp_path / "unreadable.gguf")
     oracle.write_gguf(path, TINY, oracle.random_llama_state(TINY),
-                      {"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.Q5_0})
-    with pytest.raises(ValueError, match=r"q5\.gguf.*blk\.1\.ffn_up\.weight.*Q5_0"):
+                      {"blk.1.ffn_up.weight": qtype})
+    where = r"unreadable\.gguf.*blk\.1\.ffn_up\.weight"
+    with pytest.raises(ValueError, match=rf"{where}.*type {qtype.name},"):
         models.load(path)
+
+
+def test_every_type_the_library_reads_loads(tmp_path) -> None:
+    """Q5_0 and Q5_1 (gguf-py quantises them; the K-quants it only reads are in the real Gemma
+    file, tests/test_gemma3_real.py) load as gguf-py dequantises them."""
+    q = gguf.GGMLQuantizationType
+    assert {q.Q5_0, q.Q5_1, q.Q5_K, q.Q2_K, q.Q3_K, q.IQ4_NL} <= SUPPORTED_TYPES
+    path = str(tmp_path / "q5.gguf")
+    state = oracle.write_gguf(path, TINY, oracle.random_llama_state(TINY),
+                              {"blk.1.ffn_up.weight": q.Q5_0, "blk.0.ffn_gate.weight": q.Q5_1})
+    mlp = models.load(path).params["params"]["layers"]["mlp"]
+    for kernel, layer, name in ((mlp["up_proj"]["kernel"], 1, "up_proj"),
+                                (mlp["gate_proj"]["kernel"], 0, "gate_proj")):
+        np.testing.assert_array_equal(np.asarray(kernel[layer]),
+                                      state[f"model.layers.{layer}.mlp.{name}.weight"].T)
 
 
 def test_tiny_gguf_loads(tiny_gguf) -> None:
@@ -261,6 +285,37 @@ def tiny_logits(config: models.LlamaConfig, params, hf_model, seqs: list[list[in
     with torch.no_grad():
         refs = [hf_model(torch.tensor([s])).logits[0].numpy() for s in seqs]
     return ours, refs
+
+
+@pytest.mark.oracle
+def test_llama_sentencepiece_gguf_tokenizer_is_hfs(tmp_path) -> None:
+    """A Llama-2 / Mistral style SentencePiece vocabulary (``tokenizer.ggml.model = "llama"``:
+    pieces, scores, byte pieces, no merges; Gemma's flavour is tests/test_gemma3_real.py):
+    the same ``tokenizers`` pipeline as HF's GGUF converter builds, the same ids and text."""
+    transformers = pytest.importorskip("transformers")
+    pieces = ["▁", "e", "t", "a", "h", "l", "o", "r", "w", "d", "n", "s", "i", "▁t", "he",
+              "▁the", "ll", "llo", "▁h", "▁he", "▁hello", "▁w", "or", "▁wor", "ld", "▁world",
+              "in", "▁in", "er", "▁▁", "▁▁▁▁", "an", "▁an", "▁and", "st", "re", "▁re", "▁s"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, "<|u|>"]
+    w = gguf.GGUFWriter(str(tmp_path / "sp.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces) + [4])
+    for add, value in ((w.add_bos_token_id, 1), (w.add_eos_token_id, 2),
+                       (w.add_unk_token_id, 0), (w.add_add_bos_token, True)):
+        add(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    ours = models.Tokenizer.from_gguf(gguf.GGUFReader(str(tmp_path / "sp.gguf")))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
+    assert json.loads(ours.backend.to_str()) == json.loads(hf.backend_tokenizer.to_str())
+    for text in ["hello world", " hello  world", "the and the  ", "héllo wörld 🙂", "", " ",
+                 "a<|u|>b<unk>", "<s>hi</s>", "in\nst\tre  "]:
+        ids = ours.encode(text)
+        assert ids == hf(text).input_ids and ours.decode(ids) == hf.decode(ids), text
+    assert ours.chat_template is None  # no Gemma turns for a vocabulary without them
 
 
 @pytest.mark.oracle
