@@ -235,3 +235,73 @@ def test_offline_counts_each_engine_step_variant():
     assert set(variants) == {"prefill_step", "decode_step", "release_rows", "fork_rows",
                              "attach_rows", "retain_pages"}
     assert all(isinstance(n, int) and n >= 0 for n in variants.values())
+
+
+def test_rl_rollouts_shares_prompt_pages_at_equal_kv_and_agrees():
+    """``experiments.rl_rollouts`` at tiny sizes: greedy (a) == (b) token for token, (b) with
+    (a)'s sample keys draws (a)'s tokens, the three ways hold the same K/V bytes, and the
+    prompt K/V is exact: the pages below each prompt's boundary page stored once per group
+    (1/G of unshared), the rest one boundary page per sample."""
+    import paxkv  # noqa: PLC0415
+    from experiments import rl_rollouts  # noqa: PLC0415
+
+    lm, g = tiny_lm(scale=1.0), 4
+    prompts = common.english_prompts(lm, 2, 21, 30, seed=0)
+    budget = rl_rollouts.Budget(rows=4, max_len=48, page_size=4)
+    sp = paxkv.SamplingParams(max_new_tokens=12, temperature=0.8, seed=0,
+                              stop_token_ids=list(range(0, 256, 23)))
+    r = rl_rollouts.run_group(lm, prompts, g, budget, sp, repeats=1)
+    assert r["correctness"]["shared_vs_unshared"]["identical"]
+    assert r["sampled_rows_identical_a_b"] == [len(prompts) * g]
+    assert r["pool_kv_bytes"] == r["dense_kv_bytes"] == 4 * 48 * r["kv_bytes_per_token"]
+    assert all(p["peak_kv_bytes"] <= r["pool_kv_bytes"] for w in ("shared", "unshared")
+               for p in r["passes"][w])
+    assert r["prompt_kv_exact"] and r["prompt_kv"]["shared"]["samples_live"] == [g, g]
+    assert r["prompt_kv_times_g"]["full_pages"] == 1.0
+    e = r["prompt_kv"]["expected"]
+    assert r["prompt_kv_times_g"]["slots"] == pytest.approx(g * e["slots"] / e["unshared_slots"])
+    assert r["passes"]["shared"][0]["prefill_tokens"] < r["passes"]["unshared"][0]["prefill_tokens"]
+    met = rl_rollouts.report([r])
+    assert met["G4: prompt pages below the boundary page x G"]
+
+
+def test_rl_sync_updates_compile_nothing_serve_no_stale_pages_and_logprobs_agree():
+    """``experiments.rl_sync`` at tiny sizes: adamw updates through ``update_params`` compile
+    nothing and copy no leaf, the prefix cache never serves a prompt's pages across an update
+    (and serves them again after), and the trainer's log-probabilities of the rollout's
+    tokens equal the engine's in float32."""
+    from experiments import rl_sync  # noqa: PLC0415
+
+    lm = tiny_lm()
+    args = rl_sync.parse_args(["--quick", "--updates", "3"])
+    prompt = common.english_prompts(lm, 1, 30, 30, seed=1)[0]
+    s = rl_sync.sync(lm, prompt, args)
+    assert s["updates"] == 3 and s["compiles"] == 0 and s["placed_leaves"] == 0
+    assert s["stale_hit_tokens"] == 0 and s["fresh_hits"] == 3 and s["versions_ok"]
+    assert s["fresh_hit_tokens_median"] >= 28  # the prompt's full pages (of 4 tokens)
+    r = rl_sync.agreement(lm, [prompt], args, "raw", None, None)
+    assert r["compared"] == r["tokens"] == args.group * args.new
+    assert r["max_abs"] < 1e-4, r
+
+
+def test_grpo_steps_train_swap_weights_without_compiles_and_leak_nothing():
+    """``experiments.grpo`` at tiny sizes: two supervised steps, then two GRPO steps (paged
+    rollouts and their dense twin, the jitted loss and adamw step, ``update_params``): the
+    loss is finite, ``update_params`` compiled nothing, no page or row is left held on either
+    engine, the sampler's and the trainer's log-probabilities agree within 1e-4, and greedy
+    tokens are identical paged vs dense."""
+    pytest.importorskip("optax")
+    from experiments import grpo  # noqa: PLC0415
+
+    args = grpo.parse_args(["--quick", "--steps", "2", "--sft-steps", "2", "--sft-every", "2",
+                            "--held-out", "16", "--check-pairs", "16", "--prompts", "4",
+                            "--group", "2", "--paged-rows", "8", "--kv-tokens", "128",
+                            "--eval-every", "2"])
+    res = grpo.run(args)["results"]
+    assert len(res["steps"]) == 2 and all(np.isfinite(s["loss"]) for s in res["steps"])
+    checks, summary = res["checks"], res["summary"]
+    assert checks["swap_programs"] == 0 and all(s["swap_programs"] == 0 for s in res["steps"])
+    assert checks["programs_after_first_step"]["trainer"] == 0
+    assert checks["paged_all_free"] and checks["leaked"] == {"paged": 0, "dense": 0}
+    assert summary["logprob_gap_max"] < 1e-4 and summary["ratio_max"] < 1 + 1e-3
+    assert summary["greedy_identical"] and summary["one_weight_version_per_rollout"]
