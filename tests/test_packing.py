@@ -69,7 +69,7 @@ def test_the_engine_packs_a_ragged_prefill_and_its_tokens_do_not_change(monkeypa
     def run():
         engine = paxkv.Engine(lm, max_seqs=8, max_len=96, page_size=8)
         plans, prefill = [], engine.scheduler.ops.prefill
-        engine.scheduler.ops.prefill = lambda *a: plans.append(a[5]) or prefill(*a)
+        engine.scheduler.ops.prefill = lambda *a: plans.append(a[6]) or prefill(*a)
         ids = [engine.submit(p, max_new_tokens=6, stop_token_ids=[]) for p in prompts]
         out = engine.run()
         engine.clear_prefix_cache()
