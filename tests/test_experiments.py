@@ -277,6 +277,7 @@ def test_rl_sync_updates_compile_nothing_serve_no_stale_pages_and_logprobs_agree
     prompt = common.english_prompts(lm, 1, 30, 30, seed=1)[0]
     s = rl_sync.sync(lm, prompt, args)
     assert s["updates"] == 3 and s["compiles"] == 0 and s["placed_leaves"] == 0
+    assert s["update_ms_median"] < 50 and len(s["release_ms"]) == 3
     assert s["stale_hit_tokens"] == 0 and s["fresh_hits"] == 3 and s["versions_ok"]
     assert s["fresh_hit_tokens_median"] >= 28  # the prompt's full pages (of 4 tokens)
     r = rl_sync.agreement(lm, [prompt], args, "raw", None, None)
