@@ -211,3 +211,14 @@ def test_prefix_holds_retain_in_one_compiled_width():
         cache = holds.retain(cache, [list(range(n))], -1)
     assert holds.retain_pages._cache_size() - before <= 1
     assert int(np.asarray(cache.table.ref_counts).sum()) == 0
+
+
+def test_nested_counting_of_equal_stats_keeps_the_outer_block():
+    """An inner block whose stats equal the outer's (both zero) once removed the outer one:
+    the outer block's compiles went to the inner stats, and leaving it raised."""
+    outer, inner = compiles.CompileStats(), compiles.CompileStats()
+    with compiles.counting(outer):
+        with compiles.counting(inner):
+            pass
+        jax.jit(lambda x: x * 3 + 1)(np.float32(1.5))
+    assert outer.compiles >= 1 and inner.compiles == 0

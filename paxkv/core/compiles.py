@@ -159,8 +159,8 @@ def counting(stats: CompileStats) -> Iterator[CompileStats]:
     active.append(stats)
     try:
         yield stats
-    finally:
-        active.remove(stats)
+    finally:  # by identity: equal stats of an outer block must stay (list.remove uses ==)
+        del active[next(i for i, s in enumerate(active) if s is stats)]
 
 
 F = TypeVar("F", bound=Callable[..., Any])
